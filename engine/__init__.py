@@ -1,0 +1,12 @@
+"""pagedserve's engine: paged KV cache, prefix caching, continuous batching."""
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, make_config
+from engine.errors import ContextLengthExceededError, InvalidRequestError, ModelLoadError
+from engine.llm_engine import LLM, GenerationResult, LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM", "LLMEngine", "RequestOutput", "GenerationResult", "SamplingParams", "EngineConfig", "CacheConfig",
+    "SchedulerConfig", "ModelConfig", "make_config", "InvalidRequestError", "ContextLengthExceededError",
+    "ModelLoadError",
+]

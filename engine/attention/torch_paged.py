@@ -1,0 +1,92 @@
+"""Reference paged attention in plain PyTorch: runs on CPU and GPU, and is the oracle for kernels.
+
+Decodes (one query each) are done together: their blocks are gathered into a padded
+[B, L, Hkv, D] view and masked past each context length. Prefill/extend chunks are done one
+sequence at a time with SDPA (few per step, each large, so the loop costs little).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V rows into their cache slots; slot -1 marks padding and is skipped."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Contiguous [length, Hkv, D] K or V of one sequence, read through its block table."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+
+
+def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Bottom-right aligned causal mask: query i sits at position kv_len - q_len + i."""
+    rows = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    return torch.arange(kv_len, device=device)[None, :] <= rows
+
+
+class TorchPagedAttention(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        start = nd
+        for b in range(nd, meta.num_seqs):
+            q_len, kv_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
+            end = start + q_len
+            if kv_len == q_len:  # nothing cached: this step's K/V are the whole context
+                kb, vb = k[start:end], v[start:end]
+            else:
+                kb = gather_kv(k_cache, meta.block_tables[b], kv_len)
+                vb = gather_kv(v_cache, meta.block_tables[b], kv_len)
+            out[start:end] = _sdpa(q[start:end], kb, vb, scale, kv_len == q_len)
+            start = end
+        return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        nd = q.shape[0]
+        block_size = k_cache.shape[1]
+        max_len = max(meta.seq_lens_cpu[:nd])
+        tables = meta.block_tables[:nd, : -(-max_len // block_size)]
+        kb = k_cache[tables].flatten(1, 2)  # [B, L, Hkv, D]
+        vb = v_cache[tables].flatten(1, 2)
+        length = kb.shape[1]
+        pad = torch.arange(length, device=q.device)[None, :] >= meta.seq_lens[:nd, None]
+        mask = torch.zeros(pad.shape, dtype=q.dtype, device=q.device).masked_fill_(pad, float("-inf"))
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, Hq, 1, D]
+            kb.transpose(1, 2),  # [B, Hkv, L, D]
+            vb.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o.squeeze(2)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pure_causal: bool) -> torch.Tensor:
+    """q [n, Hq, D], k/v [c, Hkv, D] -> [n, Hq, D]; causal, bottom-right aligned."""
+    n, c = q.shape[0], k.shape[0]
+    mask = None if pure_causal else causal_mask(n, c, q.device)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, is_causal=pure_causal, scale=scale, enable_gqa=True,
+    )
+    return o.transpose(0, 1)

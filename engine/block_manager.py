@@ -1,0 +1,213 @@
+"""KV-cache blocks: allocation, ref counts, prefix caching and lazy LRU eviction.
+
+Pure Python, no tensors: the model runner owns the memory, this owns the bookkeeping.
+
+A block is in exactly one of three states:
+  used   -- ref_count > 0, owned by one or more live sequences;
+  cached -- ref_count == 0 but holds a published prefix (hash set), reusable until evicted;
+  free   -- ref_count == 0, no hash.
+Cached and free blocks both sit in `_free_queue` in LRU order; taking a block from its head evicts
+whatever prefix it held (lazy eviction), so cached blocks cost nothing until memory is needed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence
+
+_NO_PARENT = 0x5EED  # parent hash of a sequence's first block
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full, computed and published
+    token_ids: tuple[int, ...] = field(default_factory=tuple)  # compared on a hit: hashes can collide
+
+
+def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((_NO_PARENT if parent is None else parent, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._hash_to_block: dict[int, int] = {}
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free plus evictable cached)."""
+        return len(self._free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(1 for b in self._free_queue if self.blocks[b].hash is not None)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free_queue)
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    # ---- prefix cache --------------------------------------------------------------------------
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of `seq`'s tokens.
+
+        Never the whole sequence: the last token must be computed to get logits for sampling.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        hits: list[int] = []
+        parent = None
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = block_hash(parent, tokens)
+            block_id = self._hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        """Whether `allocate(seq, num_new_tokens, cached)` would succeed."""
+        # Cached hits that are currently unreferenced sit in the free queue: taking them shrinks it.
+        reclaimed = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        needed = -(-(seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens)
+                   // self.block_size) - len(seq.block_table) - len(cached)
+        return max(0, needed) <= len(self._free_queue) - reclaimed
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> None:
+        """Grow `seq`'s block table to hold `num_new_tokens` more tokens (after any `cached` prefix).
+
+        `cached` is what `find_cached_prefix` returned; only valid for a sequence with no blocks yet.
+        """
+        if cached:
+            assert not seq.block_table and seq.num_computed_tokens == 0
+            for block_id in cached:
+                self._ref(block_id)
+                seq.block_table.append(block_id)
+                seq.block_hashes.append(self.blocks[block_id].hash)
+            seq.num_computed_tokens = len(cached) * self.block_size
+        for _ in range(self.blocks_needed(seq, num_new_tokens)):
+            seq.block_table.append(self._take_free_block())
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free_queue[block_id]
+        block.ref_count += 1
+
+    def _take_free_block(self) -> int:
+        if not self._free_queue:
+            raise RuntimeError("out of KV-cache blocks (the scheduler should have preempted)")
+        block_id, _ = self._free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # lazy eviction of a cached prefix
+            if self._hash_to_block.get(block.hash) == block_id:
+                del self._hash_to_block[block.hash]
+            block.hash = None
+            block.token_ids = ()
+        block.ref_count = 1
+        return block_id
+
+    def publish_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's newly completed (full and computed) blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        for i in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[i - 1] if i else None
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = block_hash(parent, tokens)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self._hash_to_block:
+                block.hash = h
+                block.token_ids = tokens
+                self._hash_to_block[h] = block.block_id
+            # else: an identical block is already published (computed twice concurrently): keep that one
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references, tail first so shared heads stay cached longest (LRU)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of block {block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None:
+                    # Nothing to reuse: put it at the head so it is taken before cached blocks.
+                    self._free_queue[block_id] = None
+                    self._free_queue.move_to_end(block_id, last=False)
+                else:
+                    self._free_queue[block_id] = None
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            if block.ref_count == 0:
+                block.hash = None
+                block.token_ids = ()
+        self._hash_to_block = {h: b for h, b in self._hash_to_block.items() if self.blocks[b].hash == h}
+
+    # ---- integrity -----------------------------------------------------------------------------
+    def check_integrity(self, live_seqs: list[Sequence] | None = None) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent.
+
+        free + cached + used == total; the free queue holds exactly the unreferenced blocks; every
+        hash maps to a block that carries it; with `live_seqs`, ref counts equal table occurrences.
+        """
+        free = cached = used = 0
+        for block in self.blocks:
+            in_queue = block.block_id in self._free_queue
+            if block.ref_count < 0:
+                raise AssertionError(f"block {block.block_id} has negative ref count")
+            if block.ref_count == 0:
+                if not in_queue:
+                    raise AssertionError(f"unreferenced block {block.block_id} is not in the free queue (leak)")
+                if block.hash is None:
+                    free += 1
+                else:
+                    cached += 1
+            else:
+                if in_queue:
+                    raise AssertionError(f"referenced block {block.block_id} is in the free queue")
+                used += 1
+        if free + cached + used != self.num_blocks or len(self._free_queue) != free + cached:
+            raise AssertionError(f"free {free} + cached {cached} + used {used} != total {self.num_blocks}")
+        for h, b in self._hash_to_block.items():
+            if self.blocks[b].hash != h:
+                raise AssertionError(f"hash table points at block {b} which no longer holds that prefix")
+        if live_seqs is not None:
+            counts = [0] * self.num_blocks
+            for seq in live_seqs:
+                for b in seq.block_table:
+                    counts[b] += 1
+            for block in self.blocks:
+                if counts[block.block_id] != block.ref_count:
+                    raise AssertionError(
+                        f"block {block.block_id}: ref count {block.ref_count} but "
+                        f"{counts[block.block_id]} sequences hold it"
+                    )

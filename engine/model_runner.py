@@ -1,0 +1,138 @@
+"""Owns the model and the KV-cache tensors; turns a scheduled step into one forward pass + sampling."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, get_backend
+from engine.config import EngineConfig, ModelConfig, dtype_size
+from engine.models.llama import LlamaModel
+from engine.sampler import SampleRequest, Sampler, TokenLogprob
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_GIB = 1.0
+DEFAULT_GPU_KV_FRACTION = 0.9
+
+
+@dataclass(slots=True)
+class StepInput:
+    """What the model runner needs from the scheduler for one step."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    sample_requests: list[SampleRequest | None]  # per sequence; None where this step samples nothing
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model: LlamaModel,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.cache.block_size
+        self.backend = get_backend(config.attention_backend, device)
+        self.sampler = Sampler(config.seed, device)
+        self.num_blocks = self._num_blocks()
+        cfg = model_config
+        # One allocation for all layers: [layers, 2 (K, V), blocks, block_size, kv heads, head dim].
+        # Zeroed: padded decode rows read never-written slots under a zero softmax weight, and 0 * NaN
+        # garbage would still poison the output.
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads,
+                                    cfg.head_dim, dtype=dtype, device=device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+
+    # ---- sizing -----------------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model_config.kv_bytes_per_token(self.dtype)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        per_block = self.kv_bytes_per_token * self.block_size
+        if cache.memory_gib is not None:
+            budget = cache.memory_gib * 2**30
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * DEFAULT_GPU_KV_FRACTION - 2**30  # headroom for activations
+        else:
+            budget = DEFAULT_CPU_KV_GIB * 2**30
+        num = int(budget // per_block)
+        if num < 1:
+            raise ValueError(f"KV-cache budget of {budget / 2**30:.2f} GiB holds no {per_block}-byte block")
+        return num
+
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.numel() * dtype_size(self.kv_cache.dtype)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, step: StepInput) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        """Forward the scheduled tokens; return a sampled token (or None) per scheduled sequence."""
+        # decodes first: the backends batch them as one block
+        order = sorted(range(len(step.seqs)), key=lambda i: step.num_new_tokens[i] != 1)
+        input_ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
+        for i in order:
+            seq, n = step.seqs[i], step.num_new_tokens[i]
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(seq.block_table)
+        meta = self._metadata(positions, query_lens, seq_lens, tables)
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids_t, pos_t, self.kv_caches, meta, self.backend)
+
+        # logits only at each sampling sequence's last scheduled token
+        ends = torch.cumsum(torch.tensor(query_lens), 0) - 1
+        sampling = [(int(ends[j]), i) for j, i in enumerate(order) if step.sample_requests[i] is not None]
+        sampled: list[int | None] = [None] * len(step.seqs)
+        logprobs: list[TokenLogprob | None] = [None] * len(step.seqs)
+        if not sampling:
+            return sampled, logprobs
+        rows = torch.tensor([row for row, _ in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        tokens, lps = self.sampler(logits, [step.sample_requests[i] for _, i in sampling])
+        for (_, i), tok, lp in zip(sampling, tokens, lps):
+            sampled[i] = tok
+            logprobs[i] = lp
+        return sampled, logprobs
+
+    def _metadata(self, positions: list[int], query_lens: list[int], seq_lens: list[int],
+                  tables: list[list[int]]) -> AttentionMetadata:
+        dev = self.device
+        bs = self.block_size
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        q_lens = torch.tensor(query_lens, dtype=torch.int32)
+        pos = torch.tensor(positions, dtype=torch.long)
+        seq_idx = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+        slots = block_tables[seq_idx, pos // bs].long() * bs + pos % bs
+        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=qsl[1:])
+        num_decodes = next((j for j, n in enumerate(query_lens) if n != 1), len(query_lens))
+        return AttentionMetadata(
+            slot_mapping=slots.to(dev),
+            query_start_loc=qsl.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            num_decodes=num_decodes,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )

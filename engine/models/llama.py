@@ -1,0 +1,225 @@
+"""Llama-family decoder over a flat, unpadded batch: Llama/SmolLM2, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Projections are fused (q|k|v and gate|up) so each layer runs four matmuls; `load_weights` takes
+Hugging Face tensor names and writes them into the fused slices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32, as the reference implementations do, then scale in the model dtype
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling factor for the config's RoPE variant."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        old_len = float(scaling.get("original_max_position_embeddings", cfg.max_position_embeddings))
+        beta_fast, beta_slow = float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1))
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)
+        extrapolation = 1 - ramp.clamp(0, 1)
+        inv = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+        mscale = float(scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0))
+        return inv, mscale
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) RoPE with a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg, self.max_positions = cfg, max_positions
+        self.register_buffer("cos", torch.empty(max_positions, cfg.head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, cfg.head_dim // 2), persistent=False)
+        self.build()
+
+    def build(self) -> None:
+        """(Re)compute the fp32 table in place, e.g. after the module was created on the meta device."""
+        if self.cos.is_meta:
+            return
+        inv_freq, mscale = rope_inv_freq(self.cfg)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq).to(self.cos.device)
+        self.cos = freqs.cos() * mscale
+        self.sin = freqs.sin() * mscale
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        out = []
+        for x in xs:
+            x1, x2 = x.float().chunk(2, dim=-1)
+            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
+        return out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rope = rope
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, positions, x, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        o = backend.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.view(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions, h, k_cache, v_cache, meta, backend):
+        h = h + self.self_attn(positions, self.input_layernorm(h), k_cache, v_cache, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = rope
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """Hidden states [T, hidden] for every input token (before the final norm)."""
+        h = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = layer(positions, h, k_cache, v_cache, meta, backend)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits for the rows that sample (norm and LM head only where needed)."""
+        h = self.norm(hidden)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()
+
+    # ---- weights ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors named as in Hugging Face checkpoints into the (fused) parameters."""
+        params = dict(self.named_parameters())
+        q, kv = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size
+        inter = self.config.intermediate_size
+        fused = {  # HF suffix -> (our suffix, start, length)
+            "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),
+        }
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            parts = name.split(".")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoints sometimes store a copy
+            if len(parts) >= 2 and parts[-2] in fused:
+                ours, start, length = fused[parts[-2]]
+                target = ".".join(parts[:-2] + [ours, parts[-1]])
+                param = params[target]
+                if tensor.shape[0] != length:
+                    raise ValueError(f"{name}: expected {length} rows, got {tuple(tensor.shape)}")
+                param[start:start + length].copy_(tensor)
+                loaded.add(f"{target}[{start}]")
+            elif name in params:
+                if params[name].shape != tensor.shape:
+                    raise ValueError(f"{name}: expected {tuple(params[name].shape)}, got {tuple(tensor.shape)}")
+                params[name].copy_(tensor)
+                loaded.add(name)
+            elif "rotary_emb" in name:
+                continue
+            else:
+                raise ValueError(f"unexpected weight {name!r} for architecture {self.config.architecture}")
+        expected = sum(1 for n in params if "qkv_proj.weight" not in n and "gate_up_proj" not in n)
+        expected += sum(3 for n in params if "qkv_proj.weight" in n) + sum(2 for n in params if "gate_up_proj" in n)
+        if len(loaded) != expected:
+            missing = [n for n in params if n not in loaded and not any(k.startswith(n) for k in loaded)]
+            raise ValueError(f"checkpoint is missing weights: {missing[:8]} ({expected - len(loaded)} missing)")
+
+    @torch.no_grad()
+    def init_random(self, seed: int = 0, std: float = 0.02) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)

@@ -1,0 +1,197 @@
+"""Where weights come from: a GGUF file, a Hugging Face model directory, or random init at a real shape.
+
+Every source yields (ModelConfig, iterator of HF-named tensors); `LlamaModel.load_weights` does the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.models.llama import LlamaModel
+
+# Published shapes, for speed tests with random weights ("random:<name>").
+RANDOM_SHAPES: dict[str, dict] = {
+    "smollm2-135m": dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, eos_token_ids=(2,)),
+    "qwen2.5-0.5b": dict(architecture="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, max_position_embeddings=32768,
+                         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, attention_bias=True,
+                         eos_token_ids=(151645, 151643)),
+    "qwen3-0.6b": dict(architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, qk_norm=True,
+                       eos_token_ids=(151645, 151643)),
+    "llama-3.2-1b": dict(architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, max_position_embeddings=131072,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192),
+                         eos_token_ids=(128001, 128008, 128009)),
+    # a few-layer model for fast tests of the whole engine
+    "tiny": dict(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-5),
+}
+
+_GGUF_NAMES = [  # GGUF tensor name pattern -> HF name
+    (r"token_embd\.weight", "model.embed_tokens.weight"),
+    (r"output_norm\.weight", "model.norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"blk\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.attn_q\.(weight|bias)", r"model.layers.\1.self_attn.q_proj.\2"),
+    (r"blk\.(\d+)\.attn_k\.(weight|bias)", r"model.layers.\1.self_attn.k_proj.\2"),
+    (r"blk\.(\d+)\.attn_v\.(weight|bias)", r"model.layers.\1.self_attn.v_proj.\2"),
+    (r"blk\.(\d+)\.attn_output\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
+    (r"blk\.(\d+)\.attn_q_norm\.weight", r"model.layers.\1.self_attn.q_norm.weight"),
+    (r"blk\.(\d+)\.attn_k_norm\.weight", r"model.layers.\1.self_attn.k_norm.weight"),
+    (r"blk\.(\d+)\.ffn_gate\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
+    (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.up_proj.weight"),
+    (r"blk\.(\d+)\.ffn_down\.weight", r"model.layers.\1.mlp.down_proj.weight"),
+]
+
+
+def model_source(path: str) -> str:
+    """'random', 'gguf' or 'hf'; raises ModelLoadError for anything else."""
+    if path.startswith("random:"):
+        if path.removeprefix("random:") not in RANDOM_SHAPES:
+            raise ModelLoadError(f"unknown random shape {path!r}; known: {', '.join(RANDOM_SHAPES)}")
+        return "random"
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return "gguf"
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return "hf"
+    raise ModelLoadError(
+        f"model path {path!r} is not a .gguf file, a model directory with config.json, or random:<shape>"
+    )
+
+
+def load_config(path: str) -> ModelConfig:
+    kind = model_source(path)
+    if kind == "random":
+        return ModelConfig(**RANDOM_SHAPES[path.removeprefix("random:")])
+    if kind == "gguf":
+        return _gguf_config(_gguf_reader(path))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):  # chat models often list extra EOS ids here
+        with open(gen_path) as f:
+            gen_eos = json.load(f).get("eos_token_id")
+        if gen_eos is not None:
+            cfg = {**cfg, "eos_token_id": gen_eos}
+    return ModelConfig.from_hf(cfg)
+
+
+def build_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                max_positions: int, seed: int = 0) -> LlamaModel:
+    with torch.device("meta"):  # no throw-away default init: every parameter is written below
+        model = LlamaModel(cfg, max_positions).to(dtype)
+    model.to_empty(device=device)
+    model.rope.build()  # the cos/sin table stays fp32
+    kind = model_source(path)
+    if kind == "random":
+        model.init_random(seed)
+    elif kind == "gguf":
+        model.load_weights(_gguf_weights(path, cfg))
+    else:
+        model.load_weights(_safetensors_weights(path))
+    return model.eval().requires_grad_(False)
+
+
+# ---- GGUF --------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: str):
+    """Parsed once per process: config, weights and tokenizer all read it."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # a truncated or foreign file
+        raise ModelLoadError(f"cannot read GGUF file {path!r}: {e}") from e
+
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _gguf_config(reader) -> ModelConfig:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ModelLoadError(f"unsupported architecture {arch!r} in GGUF file; supported: llama, qwen2, qwen3")
+    g = lambda key, default=None: _gguf_field(reader, f"{arch}.{key}", default)
+    num_heads = g("attention.head_count")
+    hidden = g("embedding_length")
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = g("vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens", []))
+    scaling = None
+    if g("rope.scaling.type") not in (None, "none"):
+        scaling = {"rope_type": g("rope.scaling.type"), "factor": g("rope.scaling.factor"),
+                   "original_max_position_embeddings": g("rope.scaling.original_context_length")}
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=g("feed_forward_length"),
+        num_layers=g("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=g("attention.head_count_kv", num_heads),
+        head_dim=g("attention.key_length", hidden // num_heads),
+        max_position_embeddings=g("context_length", 2048),
+        rms_norm_eps=g("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm=arch == "qwen3",
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(eos,) if eos is not None else (),
+    )
+
+
+def _unpermute_llama(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp stores Llama's q/k rows interleaved for its RoPE; undo that for rotate-half RoPE."""
+    head_half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, head_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    reader = _gguf_reader(path)
+    for t in reader.tensors:
+        for pattern, repl in _GGUF_NAMES:
+            if re.fullmatch(pattern, t.name):
+                name = re.sub(pattern, repl, t.name)
+                break
+        else:
+            raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        data = np.array(data, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
+        if cfg.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+            data = _unpermute_llama(data, cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
+        yield name, torch.from_numpy(data)
+
+
+# ---- Hugging Face directory ----------------------------------------------------------------------
+def _safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"no .safetensors files in {path!r}")
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)

@@ -1,0 +1,173 @@
+"""Token-granularity scheduler: who runs this step, and how many of their tokens.
+
+Each step: running sequences first (oldest first), then waiting ones are admitted FCFS, within
+`max_num_seqs` sequences and `max_num_batched_tokens` tokens. A sequence's share is
+`min(num_tokens - num_computed_tokens, budget left)`, so long prompts are prefilled in chunks and
+prefill and decode share a step. When blocks run out the newest running sequence is preempted
+(blocks freed, recomputed later from the front of the queue); nothing new is admitted that step.
+Pure Python: tested without a model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    # True where this step computes the sequence's last known token, so the model must sample one
+    sample: list[bool] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    prompt_tokens_computed: int = 0  # prompt tokens that went through the model (not cache hits)
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up at admission
+    prefix_cache_hits: int = 0  # of which found in the cache
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    # ---- queue operations ------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.block_manager.free(seq)
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+                    seq.finish_time = time.monotonic()
+                    return seq
+        return None
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End a running sequence (EOS, stop string, length) and release its blocks."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        seq.finish_time = time.monotonic()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def waiting_tokens(self) -> int:
+        return sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.can_allocate(seq, n):
+                victim = self.running.pop()  # the newest
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # preempted itself: it was the newest, nothing after it
+            bm.allocate(seq, n)
+            self._emit(out, seq, n)
+            budget -= n
+            i += 1
+
+        if out.num_preempted == 0 and self._may_admit():
+            while self.waiting and len(self.running) < self.config.max_num_seqs:
+                if budget <= 0 and self.config.policy == "continuous":
+                    break
+                seq = self.waiting[0]
+                cached = bm.find_cached_prefix(seq)
+                n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
+                if not bm.can_allocate(seq, n, cached):
+                    break  # FCFS: nobody overtakes the head of the queue
+                self.waiting.popleft()
+                bm.allocate(seq, n, cached)
+                seq.num_cached_tokens = len(cached) * bm.block_size
+                self.stats.prefix_cache_queries += seq.num_tokens
+                self.stats.prefix_cache_hits += seq.num_cached_tokens
+                seq.status = SequenceStatus.RUNNING
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = time.monotonic()
+                self.running.append(seq)
+                if n > 0:
+                    self._emit(out, seq, n)
+                    budget -= n
+        return out
+
+    def _may_admit(self) -> bool:
+        # static batching: a new batch forms only when the previous one has fully drained
+        return self.config.policy == "continuous" or not self.running
+
+    def _emit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        out.seqs.append(seq)
+        out.num_new_tokens.append(n)
+        out.sample.append(seq.num_computed_tokens + n == seq.num_tokens)
+        self.stats.prompt_tokens_computed += min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free everything and requeue at the front; it is recomputed (prefix cache permitting)."""
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """Advance computed counts, append sampled tokens, finish on token-level stops.
+
+        Returns the sequences that received a token this step (finished ones included).
+        """
+        got_token = []
+        for seq, n, token in zip(out.seqs, out.num_new_tokens, sampled):
+            seq.num_computed_tokens += n
+            self.block_manager.publish_full_blocks(seq)
+            if token is None:
+                continue
+            seq.append_token(token)
+            self.stats.generation_tokens += 1
+            got_token.append(seq)
+            status = seq.check_stop_token()
+            if status is not None:
+                self.finish(seq, status)
+        return got_token

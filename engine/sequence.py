@@ -1,0 +1,89 @@
+"""One request's state as the scheduler and block manager see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+@dataclass(slots=True)
+class Sequence:
+    """Token ids (prompt + output) and how many of them have K/V in the cache.
+
+    vLLM v1's form: there are no prefill/decode phases. Each step the scheduler lets
+    `num_computed_tokens` catch up with `num_tokens`; a token is sampled when they meet.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against the context length
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at the last admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hashes of this sequence's full blocks
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def check_stop_token(self) -> SequenceStatus | None:
+        """Finish on EOS / stop token ids / max_tokens, after a token was appended."""
+        last = self.token_ids[-1]
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if last in self.params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
