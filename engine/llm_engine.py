@@ -15,6 +15,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, bundled_model_path, make_config, resolve_dtype
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.model_runner import ModelRunner, StepInput
+from engine.models.llama import LlamaModel
 from engine.models.loader import build_model, load_config
 from engine.sampler import SampleRequest, TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -74,7 +75,9 @@ class LLMEngine:
     touched by the thread that steps.
     """
 
-    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, model: LlamaModel | None = None,
+                 tokenizer=None, **kwargs) -> None:
+        """`model` / `tokenizer` may be passed pre-built (tests and benchmarks share one load)."""
         config = config or make_config(**kwargs)
         model_path = config.model or bundled_model_path()
         self.config = config
@@ -82,14 +85,17 @@ class LLMEngine:
         self.model_config = load_config(model_path)
         self.device = config.torch_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.tokenizer = load_tokenizer(config.tokenizer or model_path)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer or model_path)
         max_len = config.max_model_len or self.model_config.max_position_embeddings
         if max_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's context length "
                              f"{self.model_config.max_position_embeddings}")
         t0 = time.perf_counter()
         torch.manual_seed(config.seed)
-        model = build_model(model_path, self.model_config, self.dtype, self.device, max_len, config.seed)
+        if model is None:
+            model = build_model(model_path, self.model_config, self.dtype, self.device, max_len, config.seed)
+        elif model.rope.max_positions < max_len:
+            raise ValueError(f"the given model was built for {model.rope.max_positions} positions < {max_len}")
         self.runner = ModelRunner(config, self.model_config, model, self.device, self.dtype)
         if self.runner.kv_capacity_tokens < max_len:
             logger.warning("KV cache holds %d tokens < max_model_len %d: capping max_model_len",
@@ -244,8 +250,8 @@ class GenerationResult:
 class LLM:
     """Offline batch generation: `LLM().generate(["Hello"], SamplingParams(max_tokens=32))`."""
 
-    def __init__(self, model: str | None = None, **kwargs) -> None:
-        self.engine = LLMEngine(make_config(model=model, **kwargs))
+    def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None, **kwargs) -> None:
+        self.engine = engine or LLMEngine(make_config(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[str] | list[list[int]],

@@ -24,8 +24,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32, as the reference implementations do, then scale in the model dtype
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # normalise in fp32 then scale in the model dtype, as the reference does (and on CPUs the
+        # fp32 kernel is ~3x faster than the bf16 one)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can swap its weight for a oneDNN-prepacked copy (bf16 on CPU: ~1.4x faster)."""
+
+    packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def pack(self, keep_weight: bool = False) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        if not keep_weight:  # the packed copy is all forward needs
+            self.weight.data = self.weight.data.new_empty(0)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -67,65 +86,65 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) RoPE with a precomputed cos/sin table indexed by position."""
+    """Neox-style (rotate-half) RoPE with a precomputed fp32 cos/sin table indexed by position."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.cfg, self.max_positions = cfg, max_positions
-        self.register_buffer("cos", torch.empty(max_positions, cfg.head_dim // 2), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, cfg.head_dim // 2), persistent=False)
+        self.register_buffer("cos", torch.empty(max_positions, cfg.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, cfg.head_dim), persistent=False)
         self.build()
 
     def build(self) -> None:
-        """(Re)compute the fp32 table in place, e.g. after the module was created on the meta device."""
+        """(Re)compute the table in place, e.g. after the module was created on the meta device."""
         if self.cos.is_meta:
             return
         inv_freq, mscale = rope_inv_freq(self.cfg)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq).to(self.cos.device)
+        freqs = torch.cat((freqs, freqs), dim=-1)
         self.cos = freqs.cos() * mscale
         self.sin = freqs.sin() * mscale
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        out = []
-        for x in xs:
-            x1, x2 = x.float().chunk(2, dim=-1)
-            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
-        return out
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] for this step's positions, shared by every layer."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rope = rope
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, positions, x, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x, k_cache, v_cache, meta: AttentionMetadata,
+                backend: AttentionBackend):
+        t, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
-        o = backend.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
+            qk = torch.cat((self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq:hq + hkv])), dim=1)
+        else:
+            qk = qkv[:, :hq + hkv]
+        qk = apply_rope(qk, *rope)  # q and k in one go
+        o = backend.forward(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:], k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.view(t, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -133,15 +152,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope)
+        self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions, h, k_cache, v_cache, meta, backend):
-        h = h + self.self_attn(positions, self.input_layernorm(h), k_cache, v_cache, meta, backend)
+    def forward(self, rope, h, k_cache, v_cache, meta, backend):
+        h = h + self.self_attn(rope, self.input_layernorm(h), k_cache, v_cache, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -149,29 +168,36 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
+        self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = rope
-        if cfg.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head (again after `to_empty`, which unties)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Hidden states [T, hidden] for every input token (before the final norm)."""
         h = self.embed_tokens(input_ids)
+        rope = self.rope(positions, h.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = layer(positions, h, k_cache, v_cache, meta, backend)
+            h = layer(rope, h, k_cache, v_cache, meta, backend)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the rows that sample (norm and LM head only where needed)."""
-        h = self.norm(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        return self.lm_head(self.norm(hidden)).float()
+
+    def pack_weights(self) -> None:
+        """Prepack every projection for oneDNN where that is faster (bf16 on a CPU with AMX/AVX512-BF16)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack(keep_weight=m is self.lm_head and self.config.tie_word_embeddings)
 
     # ---- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -188,7 +214,7 @@ class LlamaModel(nn.Module):
         for name, tensor in weights:
             name = name.removeprefix("model.")
             parts = name.split(".")
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied checkpoints sometimes store a copy
             if len(parts) >= 2 and parts[-2] in fused:
                 ours, start, length = fused[parts[-2]]

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, cpu_has_fast_bf16
 from engine.errors import ModelLoadError
 from engine.models.llama import LlamaModel
 
@@ -97,6 +97,7 @@ def build_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     with torch.device("meta"):  # no throw-away default init: every parameter is written below
         model = LlamaModel(cfg, max_positions).to(dtype)
     model.to_empty(device=device)
+    model.tie_weights()
     model.rope.build()  # the cos/sin table stays fp32
     kind = model_source(path)
     if kind == "random":
@@ -105,7 +106,10 @@ def build_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
         model.load_weights(_gguf_weights(path, cfg))
     else:
         model.load_weights(_safetensors_weights(path))
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_fast_bf16():
+        model.pack_weights()
+    return model
 
 
 # ---- GGUF --------------------------------------------------------------------------------------

@@ -1,0 +1,117 @@
+"""Offline throughput: pagedserve (continuous batching) vs HF transformers `generate` (static batches).
+
+Same 64 prose requests, same dtype, same run. All requests are submitted at once; outputs have
+skewed lengths (median ~32, max 256) and ignore EOS, so both sides produce exactly the same number of
+useful tokens. HF runs fixed batches in arrival order; a batch lasts as long as its longest member.
+
+    python benchmarks/offline_throughput.py [--num-requests 64] [--hf-batch-size 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import workloads  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.config import bundled_model_path, resolve_dtype  # noqa: E402
+
+
+def run_pagedserve(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> dict:
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    llm.generate(prompts[:2], [SamplingParams(max_tokens=4, temperature=0.0)] * 2)  # warm-up
+    steps0 = llm.engine.scheduler.stats.num_preemptions
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    out_tokens = sum(len(r.token_ids) for r in results)
+    ttfts = sorted(r.metrics.ttft for r in results)
+    return {"wall_s": wall, "output_tokens": out_tokens, "output_tok_s": out_tokens / wall,
+            "ttft_p50_s": ttfts[len(ttfts) // 2],
+            "preemptions": llm.engine.scheduler.stats.num_preemptions - steps0}
+
+
+def run_hf(model, tokenizer, prompts: list[list[int]], max_tokens: list[int], batch_size: int) -> dict:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def batch_generate(batch: list[list[int]], n: int) -> None:
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=pad)
+
+    with torch.inference_mode():
+        batch_generate(prompts[:2], 4)  # warm-up
+        t0 = time.perf_counter()
+        for i in range(0, len(prompts), batch_size):
+            batch_generate(prompts[i:i + batch_size], max(max_tokens[i:i + batch_size]))
+        wall = time.perf_counter() - t0
+    out_tokens = sum(max_tokens)
+    return {"wall_s": wall, "output_tokens": out_tokens, "output_tok_s": out_tokens / wall}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--text", default=None, help="prompt source (default ../shared/data/pride_and_prejudice.txt)")
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", default=None, help="write results here")
+    args = ap.parse_args(argv)
+
+    reqs = workloads.prose(args.num_requests, text_path=args.text)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    prompts = [llm.engine.tokenize(r.prompt) for r in reqs]
+    max_tokens = [r.max_tokens for r in reqs]
+    dtype = llm.engine.dtype
+    ours = run_pagedserve(llm, prompts, max_tokens)
+    del llm
+
+    hf = None
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = args.model or bundled_model_path()
+        kw = {"gguf_file": os.path.basename(path)} if path.endswith(".gguf") else {}
+        folder = os.path.dirname(path) if path.endswith(".gguf") else path
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
+        hf = run_hf(model, tokenizer, prompts, max_tokens, args.hf_batch_size)
+
+    prompt_tokens = sum(len(p) for p in prompts)
+    print(f"\nWorkload: {len(reqs)} prose requests, all at once; prompt tokens {prompt_tokens} "
+          f"(min {min(map(len, prompts))}, max {max(map(len, prompts))}); output tokens {sum(max_tokens)} "
+          f"(median {sorted(max_tokens)[len(max_tokens) // 2]}, max {max(max_tokens)}); dtype {dtype}; "
+          f"threads {torch.get_num_threads()}")
+    print(f"{'engine':<34}{'wall s':>9}{'out tok':>9}{'out tok/s':>11}")
+    print(f"{'pagedserve (continuous)':<34}{ours['wall_s']:>9.2f}{ours['output_tokens']:>9}"
+          f"{ours['output_tok_s']:>11.1f}")
+    result = {"workload": {"num_requests": len(reqs), "prompt_tokens": prompt_tokens,
+                           "output_tokens": sum(max_tokens), "dtype": str(dtype)}, "pagedserve": ours}
+    if hf:
+        print(f"{f'HF generate (static, batch {args.hf_batch_size})':<34}{hf['wall_s']:>9.2f}"
+              f"{hf['output_tokens']:>9}{hf['output_tok_s']:>11.1f}")
+        result["hf"] = hf
+        result["ratio"] = ours["output_tok_s"] / hf["output_tok_s"]
+        print(f"ratio pagedserve / HF: {result['ratio']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
