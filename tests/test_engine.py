@@ -1,0 +1,232 @@
+"""The whole engine on the real SmolLM2 weights (fp32, CPU): batching, prefix caching, preemption, errors."""
+
+import pytest
+import torch
+
+from benchmarks.workloads import load_words
+from conftest import greedy, record_comparison, run_to_completion
+from engine import ContextLengthExceededError, InvalidRequestError, LLMEngine, ModelLoadError, SamplingParams
+from engine import make_config
+
+PROMPTS = [
+    "It is a truth universally acknowledged, that a single man",
+    "The capital of France is",
+    "Once upon a time, in a land far away,",
+    "def add(a, b):",
+    "My favourite colour is",
+    "The meaning of life is",
+    "Water boils at",
+    "List three fruits:",
+]
+
+
+def test_batch_invariance_greedy(make_engine, smollm):
+    """Each prompt alone == the same prompt inside 32 mixed requests arriving at different steps."""
+    tok = smollm.tokenizer
+    ids = [tok.encode(p) for p in PROMPTS]
+    alone = {}
+    engine = make_engine()
+    for i, p in enumerate(ids):
+        engine.add_request(f"a{i}", p, greedy(24))
+        alone[i] = run_to_completion(engine)[f"a{i}"]
+
+    words = load_words()
+    fillers = [tok.encode(" ".join(words[k * 50: k * 50 + 10 + 7 * k])) for k in range(24)]
+    engine = make_engine(max_num_batched_tokens=96)  # forces chunked prefill beside decodes
+    order = [("f", k) for k in range(24)]
+    for i in range(8):
+        order.insert(3 * i + 1, ("p", i))
+    results = {}
+    pending = list(order)
+    while pending or engine.has_unfinished():
+        for _ in range(2):  # two arrivals per step
+            if pending:
+                kind, k = pending.pop(0)
+                if kind == "p":
+                    engine.add_request(f"p{k}", ids[k], greedy(24))
+                else:
+                    engine.add_request(f"f{k}", fillers[k], greedy(8 + k))
+        for out in engine.step():
+            r = results.setdefault(out.request_id, {"tokens": [], "logprobs": []})
+            r["tokens"] += out.new_token_ids
+            r["logprobs"] += out.logprobs
+    assert len(results) == 32
+    for i in range(8):
+        record_comparison(f"batch-invariance prompt {i}", results[f"p{i}"]["tokens"], alone[i]["tokens"],
+                          results[f"p{i}"]["logprobs"])
+
+
+def test_prefix_caching_computes_only_the_tail(make_engine, smollm):
+    tok = smollm.tokenizer
+    words = load_words()
+    shared = tok.encode(" ".join(words[1000:1800]))
+    assert len(shared) >= 1000
+    first = shared + tok.encode(" Who said this?")
+    second = shared + tok.encode(" What happens next in the story?")
+
+    engine = make_engine(num_blocks=512)
+    engine.add_request("first", first, greedy(16))
+    run_to_completion(engine)
+    before = engine.scheduler.stats.prompt_tokens_computed
+    engine.add_request("second", second, greedy(16))
+    cached = run_to_completion(engine)["second"]
+    computed = engine.scheduler.stats.prompt_tokens_computed - before
+
+    bs = engine.config.cache.block_size
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert cached["num_cached_tokens"] == common // bs * bs
+    assert computed == len(second) - cached["num_cached_tokens"]
+    assert computed < 3 * bs + (len(second) - common)  # only the unshared tail (+ a partial block)
+
+    fresh_engine = make_engine(num_blocks=512, enable_prefix_caching=False)
+    fresh_engine.add_request("second", second, greedy(16))
+    fresh = run_to_completion(fresh_engine)["second"]
+    assert fresh["num_cached_tokens"] == 0
+    record_comparison("prefix-cache", cached["tokens"], fresh["tokens"], cached["logprobs"])
+
+
+def test_preemption_with_a_tiny_cache(make_engine, smollm):
+    tok = smollm.tokenizer
+    words = load_words()
+    prompts = [tok.encode(" ".join(words[300 * k: 300 * k + 8 + (k * 5) % 30])) for k in range(32)]
+    lengths = [10 + (k * 7) % 25 for k in range(32)]
+
+    def run(engine, check=None):
+        for k, (p, n) in enumerate(zip(prompts, lengths)):
+            engine.add_request(str(k), p, greedy(n))
+        return run_to_completion(engine, check)
+
+    def integrity(engine):
+        s = engine.scheduler
+        engine.block_manager.check_integrity(s.running + list(s.waiting))
+
+    small = make_engine(num_blocks=40, block_size=16, max_num_seqs=32)  # 640 tokens for 32 requests
+    constrained = run(small, integrity)
+    assert small.scheduler.stats.num_preemptions > 0
+    assert small.block_manager.num_used_blocks == 0
+    reference = run(make_engine())
+    assert set(constrained) == set(reference) == {str(k) for k in range(32)}
+    for k in range(32):
+        r = constrained[str(k)]
+        assert len(r["tokens"]) == lengths[k] and r["finish_reason"] == "length"
+        record_comparison(f"preemption request {k}", r["tokens"], reference[str(k)]["tokens"], r["logprobs"])
+
+
+def test_kv_bytes_per_token(make_engine, smollm):
+    engine = make_engine(num_blocks=100, block_size=16)
+    cfg = smollm.config
+    formula = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # fp32
+    assert formula == 2 * 30 * 3 * 64 * 4
+    runner = engine.runner
+    assert runner.kv_bytes_per_token == formula
+    assert runner.kv_capacity_tokens == 1600
+    assert runner.kv_cache_bytes() == runner.kv_cache.numel() * runner.kv_cache.element_size()
+    assert runner.kv_cache_bytes() / runner.kv_capacity_tokens == formula
+
+
+def test_memory_budget_sizes_the_cache(make_engine):
+    engine = make_engine(num_blocks=None, memory_gib=0.05)
+    per_block = engine.runner.kv_bytes_per_token * 16
+    assert engine.runner.num_blocks == int(0.05 * 2**30 // per_block)
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+])
+def test_bad_sampling_params(kwargs, param):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param and param in str(e.value)
+
+
+def test_bad_requests_then_engine_still_serves(make_engine):
+    engine = make_engine(num_blocks=64)  # 1024 tokens: max_model_len is capped to the cache
+    assert engine.max_model_len == 1024
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("e1", "", SamplingParams())
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("e2", [], SamplingParams())
+    with pytest.raises(ContextLengthExceededError) as e:
+        engine.add_request("e3", list(range(1000)), SamplingParams(max_tokens=100))
+    assert "1024" in str(e.value) and "1000" in str(e.value) and e.value.code == "context_length_exceeded"
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine.add_request("e4", [1, 2, 10**9], SamplingParams())
+    engine.add_request("ok", "Hello, my name is", greedy(5))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("ok", "again", greedy(5))
+    out = run_to_completion(engine)
+    assert list(out) == ["ok"] and len(out["ok"]["tokens"]) == 5
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_unknown_model_and_architecture(tmp_path):
+    with pytest.raises(ModelLoadError, match="not a .gguf file"):
+        LLMEngine(make_config(model=str(tmp_path / "nope")))
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        LLMEngine(make_config(model=str(tmp_path)))
+
+
+def test_abort_frees_blocks_and_reports(make_engine):
+    engine = make_engine(num_blocks=64)
+    engine.add_request("a", "Tell me a story", greedy(50))
+    engine.add_request("b", "Tell me another story", greedy(5))
+    engine.step()
+    engine.abort("a")
+    outs = engine.step()
+    aborted = [o for o in outs if o.request_id == "a"]
+    assert aborted and aborted[0].finished and aborted[0].finish_reason == "abort"
+    run_to_completion(engine)
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished()
+
+
+def test_stop_strings_and_finish_reasons(make_engine):
+    engine = make_engine(num_blocks=64)
+    engine.add_request("free", "1, 2, 3, 4, 5,", greedy(12, logprobs=None))
+    free = run_to_completion(engine)["free"]
+    assert free["finish_reason"] == "length"
+    text = free["text"]
+    stop = text[4:7]
+    engine.add_request("stopped", "1, 2, 3, 4, 5,", SamplingParams(max_tokens=12, temperature=0, stop=[stop]))
+    stopped = run_to_completion(engine)["stopped"]
+    assert stopped["finish_reason"] == "stop"
+    assert stopped["text"] == text[:text.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible(make_engine):
+    engine = make_engine(num_blocks=128)
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    engine.add_request("x", "The weather today", params)
+    engine.add_request("noise", "Some other request in the batch", SamplingParams(max_tokens=20, temperature=1.0))
+    first = run_to_completion(engine)["x"]["tokens"]
+    engine.add_request("y", "The weather today", params)
+    second = run_to_completion(engine)["y"]["tokens"]
+    assert first == second
+    engine.add_request("z", "The weather today", SamplingParams(max_tokens=16, temperature=1.0, seed=99))
+    assert run_to_completion(engine)["z"]["tokens"] != first
+
+
+def test_offline_llm_generate(make_engine):
+    from engine import LLM
+
+    llm = LLM(engine=make_engine(num_blocks=64))
+    results = llm.generate(["The capital of France is", [504, 3575]], SamplingParams(max_tokens=6, temperature=0))
+    assert len(results) == 2
+    assert results[0].text.strip().startswith("Paris")
+    assert len(results[1].token_ids) == 6 and results[1].finish_reason == "length"
+    m = results[0].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time
+
+
+def test_bf16_engine_runs(smollm):
+    """The default dtype path (bf16 where fast) produces sensible text too."""
+    engine = LLMEngine(make_config(model=smollm.path, dtype="bfloat16", device="cpu", num_blocks=64),
+                       tokenizer=smollm.tokenizer)
+    engine.add_request("a", "The capital of France is", SamplingParams(max_tokens=4, temperature=0))
+    out = run_to_completion(engine)["a"]
+    assert "Paris" in out["text"]
+    assert engine.runner.kv_cache.dtype == torch.bfloat16

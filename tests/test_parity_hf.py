@@ -1,0 +1,64 @@
+"""Our Llama over the paged cache vs transformers on the real SmolLM2 weights, fp32."""
+
+import torch
+
+from conftest import greedy, record_comparison
+from engine.tokenizer import apply_chat_template
+
+LOGIT_PROMPTS = [
+    "The quick brown fox jumps over the lazy dog because",
+    "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole, filled with the ends of worms",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+]
+
+GEN_PROMPTS = [
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune,",
+    "The capital of France is",
+    "Once upon a time",
+    "1, 2, 3, 4, 5,",
+    "Q: What is the boiling point of water in Celsius?\nA:",
+    "import numpy as np\n\ndef softmax(x):",
+]
+CHAT_PROMPTS = [
+    [{"role": "user", "content": "Give me three tips for staying healthy."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Why is the sky blue?"}],
+]
+
+
+def test_logits_match_transformers(make_engine, hf_model, smollm):
+    engine = make_engine()
+    for prompt in LOGIT_PROMPTS:
+        ids = smollm.tokenizer.encode(prompt)
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([ids])).logits[0]
+        # prefill through the engine's own runner path, then every position's logits
+        from engine.sequence import Sequence
+
+        seq = Sequence(0, "p", ids, greedy(1), 1)
+        engine.block_manager.allocate(seq, len(ids))
+        runner = engine.runner
+        meta = runner._metadata(list(range(len(ids))), [len(ids)], [len(ids)], [seq.block_table])
+        with torch.inference_mode():
+            hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), runner.kv_caches, meta, runner.backend)
+            ours = runner.model.compute_logits(hidden)
+        engine.block_manager.free(seq)
+        diff = (ours - ref).abs().max().item()
+        assert diff <= 1e-3, f"{prompt[:30]!r}: max abs logit diff {diff:.2e}"
+
+
+def test_greedy_64_tokens_match_transformers_generate(make_engine, hf_model, smollm):
+    tok = smollm.tokenizer
+    prompts = [tok.encode(p) for p in GEN_PROMPTS] + [apply_chat_template(tok, m) for m in CHAT_PROMPTS]
+    assert len(prompts) == 8
+    engine = make_engine()
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, greedy(64, ignore_eos=False))
+    from conftest import run_to_completion
+
+    ours = run_to_completion(engine)
+    for i, ids in enumerate(prompts):
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=64, do_sample=False, pad_token_id=0)  # stops at EOS, as we do
+        ref = out[0, len(ids):].tolist()
+        record_comparison(f"hf-generate prompt {i}", ours[str(i)]["tokens"], ref, ours[str(i)]["logprobs"])

@@ -1,0 +1,196 @@
+"""Scheduler + block manager driven with fake model outputs (no model)."""
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+EOS = 0
+
+
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, policy="continuous", prefix=True):
+    bm = BlockManager(num_blocks, block_size, prefix)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy), bm)
+
+
+def seq(sid, prompt_len, max_tokens, base=1):
+    ids = [base + (sid * 7 + i) % 50 for i in range(prompt_len)]
+    return Sequence(sid, f"r{sid}", ids, SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({EOS}))
+
+
+def step(s: Scheduler, token=lambda seq: 1):
+    out = s.schedule()
+    s.update(out, [token(q) if want else None for q, want in zip(out.seqs, out.sample)])
+    s.block_manager.check_integrity(s.running + list(s.waiting))
+    return out
+
+
+def test_decode_and_prefill_share_a_step_and_budget_chunks_prompts():
+    s = make(budget=10)
+    a = seq(0, 6, 4)
+    s.add(a)
+    out = step(s)
+    assert out.num_new_tokens == [6] and out.sample == [True]
+    b = seq(1, 25, 4)
+    s.add(b)
+    out = step(s)  # a decodes 1 token, b gets the remaining 9 of the budget
+    assert [q.seq_id for q in out.seqs] == [0, 1] and out.num_new_tokens == [1, 9]
+    assert out.sample == [True, False]
+    out = step(s)
+    assert out.num_new_tokens == [1, 9]
+    out = step(s)
+    assert out.num_new_tokens == [1, 7] and out.sample == [True, True]  # b's prompt done: first token
+    assert b.num_output_tokens == 1 and a.num_output_tokens == 4 and a.status is SequenceStatus.FINISHED_LENGTH
+
+
+def test_max_num_seqs_and_fcfs():
+    s = make(max_num_seqs=2)
+    seqs = [seq(i, 4, 3) for i in range(4)]
+    for q in seqs:
+        s.add(q)
+    out = step(s)
+    assert [q.seq_id for q in out.seqs] == [0, 1]
+    while s.has_unfinished():
+        step(s)
+    order = sorted(seqs, key=lambda q: q.first_scheduled_time)
+    assert [q.seq_id for q in order] == [0, 1, 2, 3]
+
+
+def test_eos_finishes_and_frees():
+    s = make()
+    a = seq(0, 5, 10)
+    s.add(a)
+    step(s, token=lambda q: EOS)
+    assert a.status is SequenceStatus.FINISHED_STOPPED and a.output_token_ids == [EOS]
+    assert s.block_manager.num_used_blocks == 0 and not s.has_unfinished()
+
+
+def test_preempts_newest_and_recomputes():
+    # 6 blocks of 4 tokens: two sequences of 8-token prompts fit (4 blocks), growing they collide
+    s = make(num_blocks=6, block_size=4, budget=64)
+    a, b = seq(0, 8, 12), seq(1, 8, 12, base=60)
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert a.block_table and b.block_table
+    preempted = 0
+    while s.has_unfinished():
+        out = step(s)
+        preempted += out.num_preempted
+        assert a.status is not SequenceStatus.WAITING  # the older one is never the victim
+    assert preempted >= 1 and b.num_preemptions >= 1 and a.num_preemptions == 0
+    assert a.num_output_tokens == 12 and b.num_output_tokens == 12
+    assert s.block_manager.num_used_blocks == 0
+
+
+def test_no_admission_in_a_step_that_preempted():
+    s = make(num_blocks=4, block_size=4, budget=64)
+    a, b = seq(0, 7, 8), seq(1, 7, 8, base=60)
+    s.add(a)
+    s.add(b)
+    step(s)  # both prefilled: 2 blocks each, pool full
+    c = seq(2, 2, 2, base=90)
+    s.add(c)
+    out = step(s)  # position 7 still fits in the 2nd block; c finds no free block and waits
+    assert out.num_preempted == 0 and c.status is SequenceStatus.WAITING
+    out = step(s)  # a needs a 3rd block: b is preempted, and c must not sneak in
+    assert out.num_preempted == 1 and c.status is SequenceStatus.WAITING
+    assert list(s.waiting)[:2] == [b, c]  # b goes back in front of c
+
+
+def test_static_policy_waits_for_the_whole_batch():
+    s = make(max_num_seqs=2, policy="static")
+    a, b, c = seq(0, 4, 2), seq(1, 4, 6), seq(2, 4, 2)
+    for q in (a, b, c):
+        s.add(q)
+    step(s)
+    step(s)
+    assert a.is_finished and not b.is_finished
+    for _ in range(3):
+        out = step(s)
+        assert c not in out.seqs  # a's slot stays empty until b is done
+    while not b.is_finished:
+        step(s)
+    out = step(s)
+    assert out.seqs == [c]
+
+
+def test_abort_frees_blocks_waiting_and_running():
+    s = make()
+    a, b = seq(0, 9, 5), seq(1, 9, 5)
+    s.add(a)
+    step(s)
+    s.add(b)
+    assert s.abort("r1") is b and b.status is SequenceStatus.FINISHED_ABORTED
+    assert s.abort("r0") is a and s.block_manager.num_used_blocks == 0
+    assert s.abort("nope") is None and not s.has_unfinished()
+
+
+def test_prefix_cache_hit_skips_computation():
+    s = make(block_size=4)
+    a = seq(0, 13, 1)
+    s.add(a)
+    while s.has_unfinished():
+        step(s)
+    b = Sequence(1, "r1", list(a.prompt_token_ids[:12]) + [99, 98], SamplingParams(max_tokens=1), 1)
+    before = s.stats.prompt_tokens_computed
+    s.add(b)
+    out = step(s)
+    assert b.num_cached_tokens == 12 and out.num_new_tokens == [2]
+    assert s.stats.prompt_tokens_computed - before == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abort"]),
+                           st.integers(1, 40), st.integers(1, 12), st.integers(0, 10**6)),
+                 min_size=1, max_size=60),
+    num_blocks=st.integers(12, 40),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    budget=st.integers(4, 48),
+    max_num_seqs=st.integers(1, 6),
+    prefix=st.booleans(),
+)
+def test_random_interleavings_never_leak(ops, num_blocks, block_size, budget, max_num_seqs, prefix):
+    s = make(num_blocks, block_size, max_num_seqs, budget, prefix=prefix)
+    capacity = num_blocks * block_size
+    rng = random.Random(0)
+    seqs, aborted = [], set()
+
+    def token(q):  # sometimes EOS; tokens drawn from a small alphabet so prefixes repeat
+        return EOS if rng.random() < 0.05 else rng.randint(1, 3)
+
+    for op, length, max_tokens, pick in ops:
+        if op == "add":
+            length = min(length, capacity - max_tokens)  # the engine rejects what can never fit
+            q = Sequence(len(seqs), f"r{len(seqs)}", [1 + (pick + i) % 3 for i in range(length)],
+                         SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({EOS}))
+            seqs.append(q)
+            s.add(q)
+        elif op == "abort" and seqs:
+            q = seqs[pick % len(seqs)]
+            if s.abort(q.request_id) is not None:
+                aborted.add(q.seq_id)
+        else:
+            step(s, token)
+    for _ in range(10_000):
+        if not s.has_unfinished():
+            break
+        step(s, token)
+    assert not s.has_unfinished(), "a request got stuck"
+    bm = s.block_manager
+    assert bm.num_used_blocks == 0
+    bm.check_integrity([])
+    for q in seqs:
+        assert q.is_finished
+        if q.seq_id not in aborted:
+            assert q.status in (SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_STOPPED)
+            assert 1 <= q.num_output_tokens <= q.max_tokens
+            if q.status is SequenceStatus.FINISHED_LENGTH:
+                assert q.num_output_tokens == q.max_tokens
