@@ -1,0 +1,202 @@
+"""Runs LLMEngine.step in its own thread and bridges outputs to asyncio, one queue per request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop crashed; no request can be served until restart."""
+
+
+class OverloadedError(RuntimeError):
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    max_waiting_requests: int | None = None  # requests admitted but not yet running
+    max_queued_tokens: int | None = None  # prompt tokens of requests not yet started
+
+
+class _Stream:
+    __slots__ = ("queue", "num_prompt_tokens", "started")
+
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.num_prompt_tokens = num_prompt_tokens
+        self.started = False  # first output seen
+
+
+class AsyncEngine:
+    """`generate` is an async iterator of RequestOutputs; leaving it early aborts the request."""
+
+    def __init__(self, engine: LLMEngine, limits: AdmissionLimits | None = None,
+                 on_outputs: Callable[[list[RequestOutput]], None] | None = None) -> None:
+        self.engine = engine
+        self.limits = limits or AdmissionLimits()
+        self.on_outputs = on_outputs  # metrics hook, called on the event loop
+        self.error: BaseException | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._reserved = 0  # admitted requests not yet handed to the engine
+        self._queued_tokens = 0
+        self._num_running = 0  # snapshot published by the engine thread after each step
+        self._finish_times: deque[float] = deque(maxlen=64)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                if not engine.has_unfinished():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                outputs = engine.step()
+                self._num_running = engine.scheduler.num_running
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except BaseException as e:  # noqa: BLE001 - the loop must report any death
+            logger.exception("engine loop died")
+            self.error = e
+            self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    # ---- event-loop side ---------------------------------------------------------------------------
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if not stream.started:
+                stream.started = True
+                self._queued_tokens -= stream.num_prompt_tokens
+            if out.finished:
+                self._finish_times.append(time.monotonic())
+            stream.queue.put_nowait(out)
+        if self.on_outputs is not None:
+            self.on_outputs(outputs)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError(f"engine loop died: {error!r}"))
+
+    @property
+    def num_waiting(self) -> int:
+        """Admitted requests that are not running yet."""
+        return max(0, len(self._streams) + self._reserved - self._num_running)
+
+    @property
+    def num_running(self) -> int:
+        return self._num_running
+
+    def retry_after(self) -> float:
+        """Seconds until a slot likely frees: queue depth over the measured completion rate, in [1, 60]."""
+        times = self._finish_times
+        if len(times) >= 2 and times[-1] > times[0]:
+            rate = (len(times) - 1) / (times[-1] - times[0])
+            if time.monotonic() - times[-1] < 30:
+                return float(min(60, max(1, math.ceil((self.num_waiting + 1) / rate))))
+        return float(min(60, max(1, self.num_waiting // 8 + 1)))
+
+    def reserve(self) -> None:
+        """Admission control, called before any tokenizing: raises OverloadedError when full."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop died: {self.error!r}")
+        limit = self.limits.max_waiting_requests
+        if limit is not None and self.num_waiting >= limit:
+            raise OverloadedError(f"server overloaded: {self.num_waiting} requests already waiting (limit "
+                                  f"{limit})", self.retry_after())
+        self._reserved += 1
+
+    def release(self) -> None:
+        """Give back a reservation that did not turn into a request (bad input, etc.)."""
+        self._reserved -= 1
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Hand a reserved, validated request to the engine. The caller must `close()` the stream.
+
+        Raises InvalidRequestError for bad input and OverloadedError past the queued-token limit; either
+        way the reservation is consumed.
+        """
+        self._reserved -= 1
+        n = len(prompt_token_ids)
+        limit = self.limits.max_queued_tokens
+        if limit is not None and self._queued_tokens > 0 and self._queued_tokens + n > limit:
+            raise OverloadedError(f"server overloaded: {self._queued_tokens} prompt tokens queued "
+                                  f"(limit {limit})", self.retry_after())
+        self.engine.add_request(request_id, prompt_token_ids, params)
+        stream = _Stream(n)
+        self._streams[request_id] = stream
+        self._queued_tokens += n
+        self._wake.set()
+        return RequestStream(self, request_id, stream)
+
+    def _close(self, request_id: str, stream: _Stream, finished: bool) -> None:
+        if self._streams.pop(request_id, None) is None:
+            return
+        if not stream.started:
+            self._queued_tokens -= stream.num_prompt_tokens
+        if not finished:
+            self.engine.abort(request_id)
+            self._wake.set()
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; `close()` before the end aborts it (client gone)."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str, stream: _Stream) -> None:
+        self.owner = owner
+        self.request_id = request_id
+        self._stream = stream
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+            self.owner._close(self.request_id, self._stream, True)
+        return item
+
+    def close(self) -> None:
+        self.owner._close(self.request_id, self._stream, self.finished)

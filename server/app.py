@@ -1,0 +1,457 @@
+"""The OpenAI-compatible HTTP server: routes, admission (429), SSE streaming, errors, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_engine import AdmissionLimits, AsyncEngine, EngineDeadError, OverloadedError, RequestStream
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sampler import TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import apply_chat_template
+from server.metrics import Metrics
+from server.protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status,
+                            headers=self.headers)
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    limits: AdmissionLimits
+    disconnect_poll_s: float = 0.1
+
+
+class _State:
+    """What the routes need; filled in when the engine finishes loading."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.engine: AsyncEngine | None = None
+        self.load_error: BaseException | None = None
+        self.metrics = Metrics(config.served_model_name, self.snapshot)
+
+    def snapshot(self) -> dict[str, float] | None:
+        if self.engine is None:
+            return None
+        e = self.engine.engine
+        stats = e.scheduler.stats
+        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
+                "kv_usage": e.block_manager.usage(), "preemptions": stats.num_preemptions,
+                "prefix_queries": stats.prefix_cache_queries, "prefix_hits": stats.prefix_cache_hits}
+
+    def ready_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            if self.load_error is not None:
+                raise APIError(503, f"model failed to load: {self.load_error}", "service_unavailable",
+                               code="engine_unavailable")
+            raise APIError(503, "the model is still loading", "service_unavailable", code="engine_loading",
+                           headers={"Retry-After": "5"})
+        if not self.engine.alive:
+            raise APIError(503, f"the engine loop died: {self.engine.error!r}", "service_unavailable",
+                           code="engine_dead")
+        return self.engine
+
+
+def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) -> FastAPI:
+    """`engine_factory` runs in a background thread at start-up; /health answers 503 until it returns."""
+    state = _State(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop = asyncio.get_running_loop()
+
+        def load() -> None:
+            try:
+                engine = engine_factory()
+            except BaseException as e:  # noqa: BLE001 - reported through /health
+                logger.exception("model failed to load")
+                state.load_error = e
+                return
+            aeng = AsyncEngine(engine, config.limits, on_outputs=state.metrics.observe)
+            aeng.start(loop)
+            state.engine = aeng
+            logger.info("ready: serving %s (max_model_len %d)", config.served_model_name, engine.max_model_len)
+
+        threading.Thread(target=load, name="pagedserve-load", daemon=True).start()
+        yield
+        if state.engine is not None:
+            state.engine.shutdown()
+
+    app = FastAPI(title="pagedserve", lifespan=lifespan)
+    app.state.pagedserve = state
+
+    # ---- errors: always the OpenAI shape -----------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        reason = {400: "invalid_request", 404: "model_not_found", 429: "queue_full"}.get(exc.status)
+        if reason:
+            state.metrics.reject(reason)
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            message, param = f"invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+        else:
+            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
+            param = loc[0] if loc else None
+        state.metrics.reject("invalid_request")
+        return JSONResponse(error_body(message, "invalid_request_error", param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), type_), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {exc!r}", "internal_server_error"), 500)
+
+    # ---- plain routes -------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        state.ready_engine()
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        engine = state.ready_engine().engine
+        return {"object": "list", "data": [{
+            "id": config.served_model_name, "object": "model", "created": now(), "owned_by": "pagedserve",
+            "root": engine.model_path, "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ---- generation ---------------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        aeng = _admit(body)
+        n = body.n
+        try:
+            engine = aeng.engine
+            try:
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                prompt_ids = apply_chat_template(engine.tokenizer, messages)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from e
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            lp = (body.top_logprobs or 0) if body.logprobs else None
+            jobs = [(prompt_ids, _params(body, max_tokens, lp, i)) for i in range(n)]
+        except BaseException:
+            for _ in range(n):
+                aeng.release()
+            raise
+        streams = _submit(aeng, jobs, param="messages")
+        rid, created = new_id("chatcmpl"), now()
+        prompt_tokens = len(prompt_ids)
+        tokenizer = engine.tokenizer
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(_chat_chunks(streams, rid, created, config.served_model_name, prompt_tokens, include_usage,
+                                     tokenizer, body.logprobs))
+        outs = await _collect(streams, raw, state)
+        choices = [{
+            "index": i,
+            "message": {"role": "assistant", "content": o["text"]},
+            "logprobs": {"content": _chat_logprobs(tokenizer, o["logprobs"])} if body.logprobs else None,
+            "finish_reason": o["finish_reason"],
+        } for i, o in enumerate(outs)]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": config.served_model_name,
+                "choices": choices, "usage": usage(prompt_tokens, sum(len(o["tokens"]) for o in outs))}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        prompts = body.prompts()
+        aeng = _admit(body, count=len(prompts) * body.n)
+        total = len(prompts) * body.n
+        try:
+            engine = aeng.engine
+            jobs, prompt_tokens = [], 0
+            for p in prompts:
+                ids = engine.tokenize(p) if isinstance(p, str) else p
+                prompt_tokens += len(ids)
+                for i in range(body.n):
+                    jobs.append((ids, _params(body, body.max_tokens or 16, body.logprobs, i)))
+        except BaseException:
+            for _ in range(total):
+                aeng.release()
+            raise
+        streams = _submit(aeng, jobs, param="prompt")
+        rid, created = new_id("cmpl"), now()
+        tokenizer = engine.tokenizer
+        echo = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if body.echo else "" for p in prompts
+                for _ in range(body.n)]
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(_completion_chunks(streams, rid, created, config.served_model_name, prompt_tokens,
+                                           include_usage, tokenizer, body.logprobs is not None, echo))
+        outs = await _collect(streams, raw, state)
+        choices = [{
+            "index": i, "text": echo[i] + o["text"],
+            "logprobs": _completion_logprobs(tokenizer, o["logprobs"]) if body.logprobs is not None else None,
+            "finish_reason": o["finish_reason"],
+        } for i, o in enumerate(outs)]
+        return {"id": rid, "object": "text_completion", "created": created, "model": config.served_model_name,
+                "choices": choices, "usage": usage(prompt_tokens, sum(len(o["tokens"]) for o in outs))}
+
+    def _admit(body, count: int = 1) -> AsyncEngine:
+        """Model check, then the queue limit: both before any tokenizing or streaming."""
+        aeng = state.ready_engine()
+        if body.model is not None and body.model != config.served_model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist.", "invalid_request_error", "model",
+                           "model_not_found")
+        reserved = 0
+        try:
+            for _ in range(count):
+                aeng.reserve()
+                reserved += 1
+        except OverloadedError as e:
+            for _ in range(reserved):
+                aeng.release()
+            raise _overloaded(e) from e
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "service_unavailable", code="engine_dead") from e
+        return aeng
+
+    return app
+
+
+def _overloaded(e: OverloadedError) -> APIError:
+    seconds = max(1, min(60, math.ceil(e.retry_after)))
+    return APIError(429, f"{e} Retry after {seconds} s.", "rate_limit_error", code="server_overloaded",
+                    headers={"Retry-After": str(seconds), "retry-after-ms": str(int(seconds * 1000))})
+
+
+def _params(body, max_tokens: int | None, logprobs: int | None, index: int) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            seed=None if body.seed is None else body.seed + index,  # n choices differ but stay reproducible
+            stop=body.stop or [],
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            logprobs=logprobs,
+        )
+    except InvalidRequestError as e:
+        raise APIError(400, e.message, param=e.param) from e
+
+
+def _submit(aeng: AsyncEngine, jobs: list[tuple[list[int], SamplingParams]], param: str) -> list[RequestStream]:
+    """Hand one reserved sub-request per job to the engine, or none: every reservation is consumed or released.
+
+    All jobs are validated first so that a bad one leaves nothing behind in the engine.
+    """
+    engine = aeng.engine
+    streams: list[RequestStream] = []
+    attempts = 0  # each submit call consumes its reservation, whether or not it succeeds
+    try:
+        for ids, params in jobs:
+            engine.validate(ids, params)
+        base = new_id("req")
+        for i, (ids, params) in enumerate(jobs):
+            attempts += 1
+            streams.append(aeng.submit(f"{base}-{i}", ids, params))
+    except BaseException as e:
+        for s in streams:
+            s.close()
+        for _ in range(len(jobs) - attempts):
+            aeng.release()
+        if isinstance(e, OverloadedError):
+            raise _overloaded(e) from e
+        if isinstance(e, InvalidRequestError):
+            raise APIError(400, e.message, param=e.param if e.code != "context_length_exceeded" else param,
+                           code=e.code) from e
+        raise
+    return streams
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several sub-requests (n > 1, prompt lists) in arrival order, tagged with the choice index."""
+    try:
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+    finally:
+        for s in streams:
+            s.close()
+
+
+async def _collect(streams: list[RequestStream], raw: Request, state: _State) -> list[dict[str, Any]]:
+    """Run to completion, watching for a client that hangs up (then abort and free everything)."""
+    outs = [{"text": "", "tokens": [], "logprobs": [], "finish_reason": None} for _ in streams]
+
+    async def consume() -> None:
+        async for i, out in _merge(streams):
+            o = outs[i]
+            o["text"] += out.text
+            o["tokens"] += out.new_token_ids
+            o["logprobs"] += out.logprobs
+            if out.finished:
+                o["finish_reason"] = out.finish_reason
+
+    task = asyncio.create_task(consume())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=state.config.disconnect_poll_s)
+            if done:
+                break
+            if await raw.is_disconnected():
+                task.cancel()  # closing the streams aborts the requests; metrics count them as "abort"
+                raise APIError(499, "client disconnected", "client_closed_request")
+        task.result()
+    except EngineDeadError as e:
+        raise APIError(503, str(e), "service_unavailable", code="engine_dead") from e
+    finally:
+        if not task.done():
+            task.cancel()
+        for s in streams:
+            s.close()
+    return outs
+
+
+def _sse(chunks: AsyncIterator[str]) -> EventSourceResponse:
+    return EventSourceResponse(chunks, sep="\n", ping=15)
+
+
+async def _guard(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Errors after the stream started become an error event, then [DONE]."""
+    try:
+        async for c in chunks:
+            yield c
+    except (EngineDeadError, InvalidRequestError) as e:
+        yield json.dumps(error_body(str(e), "service_unavailable" if isinstance(e, EngineDeadError)
+                                    else "invalid_request_error"))
+    yield "[DONE]"
+
+
+def _chat_chunks(streams, rid, created, model, prompt_tokens, include_usage, tokenizer, want_logprobs):
+    def chunk(i: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        return json.dumps(body)
+
+    async def gen() -> AsyncIterator[str]:
+        for i in range(len(streams)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        completion_tokens = 0
+        async for i, out in _merge(streams):
+            completion_tokens += len(out.new_token_ids)
+            lp = {"content": _chat_logprobs(tokenizer, out.logprobs)} if want_logprobs and out.logprobs else None
+            if out.text or lp or out.finished:
+                yield chunk(i, {"content": out.text} if out.text else {},
+                            out.finish_reason if out.finished else None, lp)
+        if include_usage:
+            yield json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                              "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+
+    return _guard(gen())
+
+
+def _completion_chunks(streams, rid, created, model, prompt_tokens, include_usage, tokenizer, want_logprobs,
+                       echo):
+    def chunk(i: int, text: str, finish: str | None = None, logprobs=None) -> str:
+        return json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model,
+                           "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
+
+    async def gen() -> AsyncIterator[str]:
+        for i, text in enumerate(echo):
+            if text:
+                yield chunk(i, text)
+        completion_tokens = 0
+        async for i, out in _merge(streams):
+            completion_tokens += len(out.new_token_ids)
+            lp = _completion_logprobs(tokenizer, out.logprobs) if want_logprobs and out.logprobs else None
+            if out.text or lp or out.finished:
+                yield chunk(i, out.text, out.finish_reason if out.finished else None, lp)
+        if include_usage:
+            yield json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model,
+                              "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+
+    return _guard(gen())
+
+
+def _piece(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+
+def _chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+    def entry(tok: int, lp: float) -> dict[str, Any]:
+        s = _piece(tokenizer, tok)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]} for x in lps]
+
+
+def _completion_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict[str, Any]:
+    tokens = [_piece(tokenizer, x.token_id) for x in lps]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [{_piece(tokenizer, t): v for t, v in x.top} for x in lps], "text_offset": offsets}

@@ -1,0 +1,98 @@
+"""Prometheus metrics under vLLM's names, so existing dashboards work unchanged."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.llm_engine import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, float] | None], model_name: str) -> None:
+        self.snapshot = snapshot
+        self.model_name = model_name
+
+    def collect(self):
+        snap = self.snapshot()
+        if snap is None:
+            return
+        labels = ["model_name"]
+        for name, doc, key in (
+            ("vllm:num_requests_running", "Requests in the running batch.", "running"),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", "waiting"),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1 (1 = every block in use).", "kv_usage"),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([self.model_name], snap[key])
+            yield g
+        for name, doc, key in (
+            ("vllm:num_preemptions", "Preemptions (blocks ran out; the request is recomputed).", "preemptions"),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_hits"),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self.model_name], snap[key])
+            yield c
+
+
+class Metrics:
+    def __init__(self, model_name: str, snapshot: Callable[[], dict[str, float] | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, m = self.registry, ["model_name"]
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", m, registry=r)
+        self.request_success = Counter("vllm:request_success", "Finished requests by reason.",
+                                       m + ["finished_reason"], registry=r)
+        self.rejected = Counter("pagedserve:rejected_requests", "Requests refused before running, by reason.",
+                                m + ["reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", m,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive tokens.", m,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", m,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", m,
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_EngineCollector(snapshot, model_name))
+        self._last_token: dict[str, float] = {}
+
+    def observe(self, outputs: list[RequestOutput]) -> None:
+        """Called on the event loop with each engine step's outputs."""
+        now = time.monotonic()
+        name = self.model_name
+        for out in outputs:
+            rid = out.request_id
+            if out.new_token_ids:
+                self.generation_tokens.labels(name).inc(len(out.new_token_ids))
+                last = self._last_token.get(rid)
+                if last is None:
+                    self.prompt_tokens.labels(name).inc(out.num_prompt_tokens - out.num_cached_tokens)
+                    if out.metrics.ttft is not None:
+                        self.ttft.labels(name).observe(out.metrics.ttft)
+                else:
+                    self.itl.labels(name).observe(now - last)
+                self._last_token[rid] = now
+            if out.finished:
+                self._last_token.pop(rid, None)
+                self.request_success.labels(name, out.finish_reason).inc()
+                m = out.metrics
+                if m.finish_time is not None:
+                    self.e2e.labels(name).observe(m.finish_time - m.arrival_time)
+                if m.queue_time is not None:
+                    self.queue_time.labels(name).observe(m.queue_time)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,114 @@
+"""OpenAI request/response shapes (the subset pagedserve serves), as pydantic models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.sampling_params import MAX_STOP_STRINGS
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # like vLLM: unknown fields are ignored, not an error
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # extension
+    n: int = Field(default=1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    ignore_eos: bool = False  # extension, for benchmarks
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        v = [v] if isinstance(v, str) else v
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(v)}")
+        if any(not s for s in v):
+            raise ValueError("stop sequences must be non-empty")
+        return v
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """Plain text content; multi-part messages keep their text parts."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            return [[]]
+        if isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+
+_Request.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+CompletionRequest.model_rebuild()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

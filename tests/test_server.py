@@ -1,0 +1,370 @@
+"""The HTTP server for real: uvicorn on 127.0.0.1, the official openai client, curl, raw httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import run_to_completion
+from engine.async_engine import AdmissionLimits
+from server.app import ServerConfig, create_app
+
+MODEL = "smollm2-test"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(engine, limits: AdmissionLimits | None = None):
+    port = free_port()
+    app = create_app(lambda: engine, ServerConfig(MODEL, limits or AdmissionLimits()))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not become healthy"
+        time.sleep(0.05)
+    try:
+        yield base, app.state.pagedserve
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(make_engine):
+    engine = make_engine(num_blocks=256, max_num_seqs=16)
+    with running_server(engine) as (base, state):
+        yield base, state
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_models_and_health(server):
+    base, _ = server
+    models = httpx.get(f"{base}/v1/models").json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 4096
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+
+
+def test_chat_non_streaming_equals_offline_engine(client, make_engine, smollm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    choice = resp.choices[0]
+    assert resp.object == "chat.completion" and choice.message.role == "assistant"
+    from engine.tokenizer import apply_chat_template
+
+    engine = make_engine(num_blocks=64)
+    engine.add_request("x", apply_chat_template(smollm.tokenizer, messages),
+                       __import__("engine").SamplingParams(max_tokens=24, temperature=0))
+    offline = run_to_completion(engine)["x"]
+    assert choice.message.content == offline["text"]
+    assert choice.finish_reason == offline["finish_reason"]
+    assert resp.usage.completion_tokens == len(offline["tokens"])
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_chat_streaming_with_usage(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count from one to ten."}], max_tokens=12,
+        temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    full = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count from one to ten."}],
+                                          max_tokens=12, temperature=0)
+    assert text == full.choices[0].message.content
+
+
+def test_completions_stop_string_and_length(client):
+    base = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0)
+    assert base.choices[0].finish_reason == "length"
+    text = base.choices[0].text
+    stop = text[4:7]
+    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[:text.index(stop)]
+    streamed = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0,
+                                         stop=[stop], stream=True)
+    pieces = list(streamed)
+    assert "".join(p.choices[0].text for p in pieces) == stopped.choices[0].text  # nothing after the stop
+    assert pieces[-1].choices[0].finish_reason == "stop"
+
+
+def test_completions_token_prompt_n_and_logprobs(client):
+    resp = client.completions.create(model=MODEL, prompt=[504, 3575, 282], max_tokens=5, temperature=0.8, n=3,
+                                     seed=7, logprobs=2)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert resp.usage.prompt_tokens == 3 and resp.usage.completion_tokens == 15
+    assert all(len(c.logprobs.tokens) == 5 and len(c.logprobs.top_logprobs[0]) == 2 for c in resp.choices)
+    again = client.completions.create(model=MODEL, prompt=[504, 3575, 282], max_tokens=5, temperature=0.8, n=3,
+                                      seed=7, logprobs=2)
+    assert [c.text for c in again.choices] == [c.text for c in resp.choices]  # seeded: reproducible
+
+
+def test_chat_logprobs(client):
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 4 and len(content[0].top_logprobs) == 3
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)  # greedy picks the top
+
+
+def test_curl_example_streams(server):
+    base, _ = server
+    out = subprocess.run([os.path.join(REPO, "examples", "curl_stream.sh"), "Say hello"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "BASE_URL": f"{base}/v1", "MAX_TOKENS": "8"})
+    assert out.returncode == 0, out.stderr
+    events = [line for line in out.stdout.splitlines() if line.startswith("data: ")]
+    assert len(events) >= 4 and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["usage"]["completion_tokens"] <= 8
+
+
+BAD_INPUTS = [
+    ("invalid json", "{not json", 400, None),
+    ("wrong type", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}, 400, "max_tokens"),
+    ("missing messages", {"model": MODEL}, 400, "messages"),
+    ("empty messages", {"messages": []}, 400, "messages"),
+    ("bad role", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("unknown model", {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ("negative max_tokens", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, 400, "max_tokens"),
+    ("temperature > 2", {"messages": [{"role": "user", "content": "hi"}], "temperature": 2.5}, 400, "temperature"),
+    ("five stops", {"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("too long", {"messages": [{"role": "user", "content": "word " * 5000}], "max_tokens": 10}, 400, "messages"),
+    ("top_p 0", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_openai_error(server, name, body, status, param):
+    base, _ = server
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=60, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    if name == "too long":
+        assert err["code"] == "context_length_exceeded" and "4096" in err["message"]
+    if name == "unknown model":
+        assert err["code"] == "model_not_found"
+
+
+def test_bad_completion_prompt_and_engine_still_serves(server, client):
+    base, state = server
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "", "max_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": [1, 2, 999999999], "max_tokens": 3})
+    assert r.status_code == 400
+    ok = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+    assert state.engine.num_waiting == 0
+
+
+def test_metrics_parse_and_move(server, client):
+    base, _ = server
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{base}/metrics").text
+        values = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name.endswith("_created") or s.name.endswith("_bucket"):
+                    continue
+                reason = s.labels.get("finished_reason") or s.labels.get("reason")
+                key = s.name + (f"[{reason}]" if reason else "")
+                values[key] = values.get(key, 0) + s.value
+        return values
+
+    before = scrape()
+    client.completions.create(model=MODEL, prompt="The sun is", max_tokens=5, temperature=0)
+    httpx.post(f"{base}/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    after = scrape()
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:inter_token_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+                 "vllm:num_preemptions_total"):
+        assert name in after, name
+    assert after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0) == 5
+    assert after["vllm:prompt_tokens_total"] > before.get("vllm:prompt_tokens_total", 0)
+    assert after["vllm:request_success_total[length]"] == before.get("vllm:request_success_total[length]", 0) + 1
+    assert after["vllm:time_to_first_token_seconds_count"] == before["vllm:time_to_first_token_seconds_count"] + 1
+    assert after["pagedserve:rejected_requests_total[model_not_found]"] == \
+        before.get("pagedserve:rejected_requests_total[model_not_found]", 0) + 1
+
+
+async def _stream(client: httpx.AsyncClient, base: str, max_tokens: int) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "stream": True,
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"status": r.status_code, "headers": r.headers, "body": r.json()}
+        events, finish = [], None
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if line != "data: [DONE]":
+                    for c in json.loads(line[6:]).get("choices", []):
+                        finish = c.get("finish_reason") or finish
+        return {"status": 200, "events": events, "finish": finish}
+
+
+def test_overload_gets_429_with_retry_after(make_engine):
+    n = 3
+    engine = make_engine(num_blocks=128, max_num_seqs=2)
+    with running_server(engine, AdmissionLimits(max_waiting_requests=n)) as (base, state):
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*[_stream(c, base, 16) for _ in range(4 * n)])
+
+        results = asyncio.run(burst())
+        ok = [r for r in results if r["status"] == 200]
+        rejected = [r for r in results if r["status"] == 429]
+        assert len(ok) + len(rejected) == 4 * n, [r["status"] for r in results]
+        assert ok and rejected
+        for r in ok:
+            assert r["events"][-1] == "[DONE]" and r["finish"] == "length"
+        for r in rejected:
+            err = r["body"]["error"]
+            assert err["type"] == "rate_limit_error" and err["code"] == "server_overloaded"
+            retry = int(r["headers"]["retry-after"])
+            assert 1 <= retry <= 60 and int(r["headers"]["retry-after-ms"]) == retry * 1000
+
+        # hold the queue full with long requests, then the SDK (no retries) must see RateLimitError
+        async def fill_then_probe():
+            async with httpx.AsyncClient(timeout=300) as c:
+                tasks = [asyncio.create_task(_stream(c, base, 200)) for _ in range(2 + n)]
+                deadline = time.monotonic() + 60
+                while state.engine.num_waiting < n:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.02)
+                sdk = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+                with pytest.raises(openai.RateLimitError):
+                    await sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=2)
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run(fill_then_probe())
+        _wait_idle(state)
+
+
+def _wait_idle(state, timeout: float = 30) -> None:
+    engine = state.engine.engine
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished() or state.engine.num_running or engine.block_manager.num_used_blocks:
+        assert time.monotonic() < deadline, "requests left behind in the engine"
+        time.sleep(0.05)
+    engine.block_manager.check_integrity([])
+
+
+def test_disconnects_abort_and_free_blocks(make_engine):
+    engine = make_engine(num_blocks=512, max_num_seqs=32)
+    with running_server(engine) as (base, state):
+        baseline = engine.block_manager.num_free_blocks
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long essay."}], "stream": True,
+                "max_tokens": 400, "ignore_eos": True}
+
+        async def drop_mid_stream(c: httpx.AsyncClient) -> int:
+            async with c.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+                seen = 0
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        seen += 1
+                        if seen == 3:
+                            return seen  # leaving the context closes the connection
+
+        async def time_out(c: httpx.AsyncClient) -> None:
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 400,
+                                                              "ignore_eos": True}, timeout=1.0)
+
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*[drop_mid_stream(c) for _ in range(20)], *[time_out(c) for _ in range(5)])
+
+        results = asyncio.run(main())
+        assert results[:20] == [3] * 20
+        _wait_idle(state)
+        assert engine.block_manager.num_free_blocks == baseline
+        assert engine.scheduler.num_running == 0
+        aborted = [s for s in text_string_to_metric_families(httpx.get(f"{base}/metrics").text)
+                   if s.name == "vllm:request_success"]
+        count = sum(x.value for f in aborted for x in f.samples
+                    if x.name.endswith("_total") and x.labels.get("finished_reason") == "abort")
+        assert count == 25
+
+
+def test_health_503_while_loading_and_after_engine_death(make_engine):
+    gate = threading.Event()
+    engine = make_engine(num_blocks=64)
+
+    def slow_factory():
+        gate.wait(10)
+        return engine
+
+    port = free_port()
+    app = create_app(slow_factory, ServerConfig(MODEL, AdmissionLimits()))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(f"{base}/health", timeout=1)
+                break
+            time.sleep(0.05)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_loading"
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 503
+        gate.set()
+        for _ in range(200):
+            if httpx.get(f"{base}/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        # a crash inside the model kills the loop: /health and new requests answer 503, nothing hangs
+        state = app.state.pagedserve
+        original = engine.runner.run
+        engine.runner.run = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
+        assert httpx.get(f"{base}/health").status_code == 503
+        assert not state.engine.alive
+        engine.runner.run = original
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
