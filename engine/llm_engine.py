@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import threading
@@ -105,6 +106,9 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        # The engine thread detokenizes while other threads encode: HF fast tokenizers mutate state on
+        # encode ("Already borrowed"), so the detokenizer gets its own copy.
+        self._detok_tokenizer = copy.deepcopy(self.tokenizer)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids |= {self.tokenizer.eos_token_id}
@@ -150,7 +154,7 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids), StopStringMatcher(params.stop),
+        req = _Request(seq, IncrementalDetokenizer(self._detok_tokenizer, ids), StopStringMatcher(params.stop),
                        SampleRequest(params, [], generator))
         with self._lock:
             if request_id in self._requests:

@@ -13,9 +13,18 @@ from engine.errors import ModelLoadError
 logger = logging.getLogger(__name__)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path: str):
-    """The Hugging Face tokenizer of a GGUF file or model directory (None for random weights)."""
+    """The Hugging Face tokenizer of a GGUF file or model directory.
+
+    None for random weights or a directory without tokenizer files: such an engine takes token ids only.
+    """
     if path.startswith("random:"):
+        return None
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        logger.warning("no tokenizer files in %s: the engine will accept token ids only", path)
         return None
     from transformers import AutoTokenizer
 
@@ -92,30 +101,41 @@ class IncrementalDetokenizer:
 class StopStringMatcher:
     """Accumulates output text, truncates at the first stop string, and says how much is safe to send.
 
-    Text that could still turn into a stop string (up to longest-stop - 1 trailing characters) is
-    held back, so nothing after a stop string ever reaches the client.
+    A tail of the text that is a prefix of some stop string is held back until it either completes
+    the stop string or stops matching, so nothing after a stop string ever reaches the client.
     """
 
     def __init__(self, stop: list[str]) -> None:
         self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.longest = max((len(s) for s in stop), default=0)
         self.text = ""
         self.sent = 0
         self.stopped = False
 
     def feed(self, delta: str) -> None:
-        if self.stopped or not delta:
+        if self.stopped:
             return
-        start = max(0, len(self.text) - self.hold)
+        if not self.stop:
+            self.text += delta
+            return
+        start = max(0, len(self.text) - self.longest + 1)
         self.text += delta
         cut = min((i for i in (self.text.find(s, start) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.text = self.text[:cut]
             self.stopped = True
 
+    def _pending_prefix(self) -> int:
+        """Length of the longest tail of the text that could still grow into a stop string."""
+        for k in range(min(self.longest - 1, len(self.text)), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0
+
     def take(self, final: bool) -> str:
         """The next piece of text to send; everything that is left when `final`."""
-        end = len(self.text) if (final or self.stopped) else max(self.sent, len(self.text) - self.hold)
+        end = len(self.text) if (final or self.stopped) else max(self.sent, len(self.text) - self._pending_prefix())
         piece = self.text[self.sent:end]
         self.sent = end
         return piece

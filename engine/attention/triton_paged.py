@@ -14,20 +14,18 @@ first, then attends, exactly as the PyTorch reference backend does.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (partials + reduce) outweighs its gain
 MAX_KV_SPLITS = 64
-
-# Under TRITON_INTERPRET=1 (decided when triton.jit decorates, i.e. at import, as here) bf16 tensors are
-# numpy uint16 bit patterns: loads, stores and casts are exact, but arithmetic and tl.dot operate on the
-# raw integers (a bf16 `x + y` gives NaN). Kernels therefore upcast bf16 tiles to fp32 before any math.
-_INTERPRET = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
@@ -38,6 +36,13 @@ def _dot(a, b, UPCAST: tl.constexpr):
     if a.dtype == tl.float32:  # fp32 models want fp32 accuracy, not tf32
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
+
+
+# Under TRITON_INTERPRET=1 (read when triton.jit decorates, i.e. at import) bf16 tensors are numpy uint16
+# bit patterns: loads, stores and casts are exact, but arithmetic, reductions and tl.dot act on the raw
+# integers (bf16 1.0 + 1.0 gives 1.7e38, larger values NaN; a dot gives ~1e10). So interpreted kernels
+# upcast bf16 tiles to fp32 before any math (UPCAST); compiled ones keep bf16 for the tensor cores.
+_INTERPRET = isinstance(_dot, InterpretedFunction)
 
 
 @triton.jit
@@ -183,7 +188,8 @@ def _prefill_kernel(
     d_mask = offs_d < HEAD_DIM
     md_mask = (offs_m < q_len)[:, None] & d_mask[None, :]
     tokens = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + tokens[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=md_mask, other=0.0)
+    q_ptrs = q_ptr + tokens[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=md_mask, other=0.0)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -211,7 +217,7 @@ def _prefill_kernel(
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter new K/V rows [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D]; slot -1 = skip."""
-    _check_caches(k_cache, v_cache)
+    _check_layout(k_cache, v_cache, k, v)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -223,17 +229,19 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     )
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, Hq, D] -> [B, Hq, D] over each sequence's seq_lens[b] keys."""
-    _check_caches(k_cache, v_cache)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    _check_layout(k_cache, v_cache, q, out)
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = _block_d(head_dim)
     block_n = 64 if block_d <= 128 else 32
+    # fp32 runs its dots on FMA units ("ieee"), whose register tiles spill at 4 warps
+    warps = 8 if q.dtype == torch.float32 else 4
     if num_splits > 1:
         part_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -245,7 +253,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot wants >= 16 rows; spare rows are masked
-        BLOCK_D=block_d, BLOCK_N=block_n, UPCAST=_upcast(q.dtype), num_warps=4, num_stages=2,
+        BLOCK_D=block_d, BLOCK_N=block_n, UPCAST=_upcast(q.dtype), num_warps=warps, num_stages=2,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -256,28 +264,31 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, first_seq: int, num_seqs: int,
-                      max_query_len: int, scale: float, out: torch.Tensor) -> None:
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                      first_seq: int, num_seqs: int, max_query_len: int, scale: float,
+                      out: torch.Tensor) -> None:
     """Causal attention for sequences first_seq .. first_seq + num_seqs - 1, written into out's rows.
 
     q/out are the whole batch's [T, Hq, D]; each sequence's rows are given by query_start_loc.
     """
-    _check_caches(k_cache, v_cache)
+    _check_layout(k_cache, v_cache, q, out)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
-    block_d = triton.next_power_of_2(head_dim)
-    if block_d <= 128 and q.element_size() <= 2:
-        block_m, block_n, warps = 128, 64, 8
-    else:  # fp32 or wide heads: keep the tiles within shared memory and registers
-        block_m, block_n, warps = 64, 32, 4
+    block_d = _block_d(head_dim)
+    # tiles that compile for sm_90 without register spills (fp32 dots run on FMA units, not tensor cores)
+    if q.dtype != torch.float32:
+        block_m, block_n, warps = (128, 64, 8) if block_d <= 128 else (64, 32, 4)
+    else:
+        block_m, block_n, warps = (64, 32, 8) if block_d <= 64 else (16, 16, 4)
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, first_seq,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, UPCAST=_upcast(q.dtype), num_warps=warps, num_stages=2,
+        BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, UPCAST=_upcast(q.dtype),
+        num_warps=warps, num_stages=2,
     )
 
 
@@ -288,21 +299,30 @@ def num_kv_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch
     split holds under MIN_TOKENS_PER_SPLIT keys. Off the GPU (the interpreter) programs run one by
     one, so the count only has to be valid.
     """
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    sms = _sm_count(device) if device.type == "cuda" else 1
     want = min(triton.cdiv(2 * sms, batch * num_kv_heads), triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT),
                MAX_KV_SPLITS)
     return 1 if want <= 1 else triton.next_power_of_2(want)
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16; spare lanes are masked
 
 
 def _upcast(dtype: torch.dtype) -> bool:
     return _INTERPRET and dtype == torch.bfloat16
 
 
-def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    # the kernels take one set of cache strides and assume unit stride along the head dim
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError(f"K/V caches need equal strides and a contiguous head dim; got "
-                         f"{k_cache.stride()} and {v_cache.stride()}")
+def _check_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, *rows: torch.Tensor) -> None:
+    """The kernels take one set of cache strides and index every head dim as contiguous."""
+    if k_cache.stride() != v_cache.stride() or any(t.stride(-1) != 1 for t in (k_cache, *rows)):
+        raise ValueError(f"need K/V caches with equal strides and unit-stride head dims; got caches "
+                         f"{k_cache.stride()}, {v_cache.stride()}, others {[t.stride() for t in rows]}")
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -321,8 +341,10 @@ class TritonPagedAttention(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:
-            splits = self.kv_splits or num_kv_splits(nd, k_cache.shape[2], max(meta.seq_lens_cpu[:nd]), q.device)
-            decode_attention(q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits, out[:nd])
+            splits = self.kv_splits or num_kv_splits(nd, k_cache.shape[2], max(meta.seq_lens_cpu[:nd]),
+                                                     q.device)
+            decode_attention(q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
+                             out[:nd])
         if nd < meta.num_seqs:
             prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, nd,
                               meta.num_seqs - nd, max(meta.query_lens_cpu[nd:]), scale, out)

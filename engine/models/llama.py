@@ -233,11 +233,11 @@ class LlamaModel(nn.Module):
                 continue
             else:
                 raise ValueError(f"unexpected weight {name!r} for architecture {self.config.architecture}")
-        expected = sum(1 for n in params if "qkv_proj.weight" not in n and "gate_up_proj" not in n)
-        expected += sum(3 for n in params if "qkv_proj.weight" in n) + sum(2 for n in params if "gate_up_proj" in n)
-        if len(loaded) != expected:
-            missing = [n for n in params if n not in loaded and not any(k.startswith(n) for k in loaded)]
-            raise ValueError(f"checkpoint is missing weights: {missing[:8]} ({expected - len(loaded)} missing)")
+        pieces = {n: 3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else 1 for n in params}
+        missing = [n for n, k in pieces.items()
+                   if sum(1 for x in loaded if x == n or x.startswith(n + "[")) != k]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for {missing[:8]} ({len(missing)} parameters)")
 
     @torch.no_grad()
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
