@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import workloads  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.config import bundled_model_path, resolve_dtype  # noqa: E402
+from engine.config import bundled_model_path  # noqa: E402
 
 
 def run_pagedserve(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> dict:

@@ -174,6 +174,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    cuda_graphs: bool = True  # capture decode steps (CUDA + Triton backend only)
     max_model_len: int | None = None  # defaults to the model's context length
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -10,7 +10,7 @@ import torch
 from engine.attention import AttentionMetadata, get_backend
 from engine.config import EngineConfig, ModelConfig, dtype_size
 from engine.models.llama import LlamaModel
-from engine.sampler import SampleRequest, Sampler, TokenLogprob
+from engine.sampler import Sampler, SampleRequest, TokenLogprob
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,21 @@ class ModelRunner:
         self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        self.graph_runner = None
+        if config.cuda_graphs and device.type == "cuda" and self.backend.name == "triton":
+            self.graph_runner = self._capture_graphs()
+
+    def _capture_graphs(self):
+        from engine.graph_runner import DecodeGraphRunner
+
+        max_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        max_len = min(max_len, self.kv_capacity_tokens)
+        try:
+            return DecodeGraphRunner(self.model, self.kv_caches, min(self.config.scheduler.max_num_seqs, 256),
+                                     max_len, self.block_size, self.device)
+        except Exception:  # a capture failure costs speed, never correctness: run eagerly
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            return None
 
     # ---- sizing -----------------------------------------------------------------------------------
     @property
@@ -92,13 +107,16 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(seq.block_table)
-        meta = self._metadata(positions, query_lens, seq_lens, tables)
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, meta, self.backend)
+        host = _HostBatch.build(input_ids, positions, query_lens, seq_lens, tables, self.block_size)
+        if self.graph_runner is not None and len(input_ids) == len(order) and self.graph_runner.fits(len(order)):
+            hidden = self.graph_runner.run(host.input_ids, host.positions, host.slot_mapping, host.seq_lens,
+                                           host.block_tables)
+        else:
+            hidden = self.model(host.input_ids.to(self.device), host.positions.to(self.device), self.kv_caches,
+                                host.metadata(self.device, query_lens, seq_lens), self.backend)
 
         # logits only at each sampling sequence's last scheduled token
-        ends = torch.cumsum(torch.tensor(query_lens), 0) - 1
+        ends = host.query_start_loc[1:] - 1
         sampling = [(int(ends[j]), i) for j, i in enumerate(order) if step.sample_requests[i] is not None]
         sampled: list[int | None] = [None] * len(step.seqs)
         logprobs: list[TokenLogprob | None] = [None] * len(step.seqs)
@@ -114,25 +132,45 @@ class ModelRunner:
 
     def _metadata(self, positions: list[int], query_lens: list[int], seq_lens: list[int],
                   tables: list[list[int]]) -> AttentionMetadata:
-        dev = self.device
-        bs = self.block_size
+        """Metadata for a batch given as lists (tests and tools; `run` builds its own)."""
+        host = _HostBatch.build([0] * len(positions), positions, query_lens, seq_lens, tables, self.block_size)
+        return host.metadata(self.device, query_lens, seq_lens)
+
+
+@dataclass(slots=True)
+class _HostBatch:
+    """The step's flat batch as CPU tensors; copied to the device once (or into graph buffers)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+    @classmethod
+    def build(cls, input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
+              tables: list[list[int]], block_size: int) -> _HostBatch:
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         q_lens = torch.tensor(query_lens, dtype=torch.int32)
         pos = torch.tensor(positions, dtype=torch.long)
         seq_idx = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
-        slots = block_tables[seq_idx, pos // bs].long() * bs + pos % bs
+        slots = block_tables[seq_idx, pos // block_size].long() * block_size + pos % block_size
         qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         torch.cumsum(q_lens, 0, out=qsl[1:])
-        num_decodes = next((j for j, n in enumerate(query_lens) if n != 1), len(query_lens))
+        return cls(torch.tensor(input_ids, dtype=torch.long), pos, slots, qsl,
+                   torch.tensor(seq_lens, dtype=torch.int32), block_tables)
+
+    def metadata(self, device: torch.device, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            query_start_loc=qsl.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
+            slot_mapping=self.slot_mapping.to(device),
+            query_start_loc=self.query_start_loc.to(device),
+            seq_lens=self.seq_lens.to(device),
+            block_tables=self.block_tables.to(device),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
-            num_decodes=num_decodes,
+            num_decodes=next((j for j, n in enumerate(query_lens) if n != 1), len(query_lens)),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )

@@ -16,6 +16,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto (bf16 where fast, else fp32), float32, bfloat16, float16")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256, help="max sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
@@ -33,7 +34,8 @@ def _engine_config(args: argparse.Namespace):
 
     return make_config(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
-        attention_backend=args.attention_backend, max_model_len=args.max_model_len, seed=args.seed,
+        attention_backend=args.attention_backend, cuda_graphs=not args.no_cuda_graphs,
+        max_model_len=args.max_model_len, seed=args.seed,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
         block_size=args.block_size, num_blocks=args.num_blocks, memory_gib=args.kv_cache_gib,
         enable_prefix_caching=not args.no_prefix_caching,
@@ -89,8 +91,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> None:
     """An interactive terminal chat with a running server, streaming replies over HTTP."""
-    import httpx
     import json
+
+    import httpx
 
     history: list[dict[str, str]] = []
     if args.system:

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # Triton kernels run interpreted on the CPU; must precede `import triton`
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from engine import LLMEngine, SamplingParams, make_config
 from engine.config import ModelConfig, bundled_model_path
 from engine.models.llama import LlamaModel

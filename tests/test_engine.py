@@ -2,11 +2,17 @@
 
 import pytest
 import torch
+from conftest import greedy, record_comparison, run_to_completion
 
 from benchmarks.workloads import load_words
-from conftest import greedy, record_comparison, run_to_completion
-from engine import ContextLengthExceededError, InvalidRequestError, LLMEngine, ModelLoadError, SamplingParams
-from engine import make_config
+from engine import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    LLMEngine,
+    ModelLoadError,
+    SamplingParams,
+    make_config,
+)
 
 PROMPTS = [
     "It is a truth universally acknowledged, that a single man",

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import run_to_completion
+
 from engine import LLMEngine, SamplingParams, make_config
 from engine.models.loader import load_config
 

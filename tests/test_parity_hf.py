@@ -1,8 +1,8 @@
 """Our Llama over the paged cache vs transformers on the real SmolLM2 weights, fp32."""
 
 import torch
-
 from conftest import greedy, record_comparison
+
 from engine.tokenizer import apply_chat_template
 
 LOGIT_PROMPTS = [

@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from conftest import run_to_completion
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import run_to_completion
 from engine.async_engine import AdmissionLimits
 from server.app import ServerConfig, create_app
 

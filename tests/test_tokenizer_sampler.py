@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.sampler import SampleRequest, Sampler, _top_k_top_p
+from engine.sampler import Sampler, SampleRequest, _top_k_top_p
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
 

@@ -7,6 +7,8 @@ sequence at a time with SDPA (few per step, each large, so the loop costs little
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -16,12 +18,16 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter new K/V rows into their cache slots; slot -1 marks padding and is skipped."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    _store(k, v, k_cache, v_cache, slot_mapping)
+
+
+def _store(k, v, k_cache, v_cache, slots) -> None:
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -38,15 +44,54 @@ def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     return torch.arange(kv_len, device=device)[None, :] <= rows
 
 
+@dataclass(slots=True)
+class _StepPlan:
+    """Per-step tensors every layer shares (built once, at the first layer)."""
+
+    meta: AttentionMetadata
+    slots: torch.Tensor  # slot_mapping without padding rows
+    keep: torch.Tensor | None  # rows to store, None when there is no padding
+    decode_tables: torch.Tensor | None  # [num_decodes * width] block ids
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, width * block_size] additive mask
+    width: int
+
+
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
-        nd = meta.num_decodes
+    def __init__(self) -> None:
+        self._plan: _StepPlan | None = None
+
+    def _plan_for(self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _StepPlan:
+        if self._plan is not None and self._plan.meta is meta:
+            return self._plan
+        keep = None
+        slots = meta.slot_mapping
+        if bool((slots < 0).any()):
+            keep = slots >= 0
+            slots = slots[keep]
+        nd, tables, mask, width = meta.num_decodes, None, None, 0
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+            width = -(-max(meta.seq_lens_cpu[:nd]) // block_size)
+            tables = meta.block_tables[:nd, :width].reshape(-1)
+            pad = torch.arange(width * block_size, device=slots.device)[None, :] >= meta.seq_lens[:nd, None]
+            mask = torch.zeros(pad.shape, dtype=dtype, device=slots.device).masked_fill_(pad, float("-inf"))
+            mask = mask[:, None, None, :]
+        self._plan = _StepPlan(meta, slots, keep, tables, mask, width)
+        return self._plan
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        plan = self._plan_for(meta, k_cache.shape[1], q.dtype)
+        if plan.keep is None:
+            _store(k, v, k_cache, v_cache, plan.slots)
+        else:
+            _store(k[plan.keep], v[plan.keep], k_cache, v_cache, plan.slots)
+        nd = meta.num_decodes
+        if nd == meta.num_seqs:  # the common steady state: decodes only
+            return self._decode(q, k_cache, v_cache, plan, scale)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, plan, scale)
         start = nd
         for b in range(nd, meta.num_seqs):
             q_len, kv_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
@@ -61,23 +106,18 @@ class TorchPagedAttention(AttentionBackend):
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(q: torch.Tensor, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
         nd = q.shape[0]
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-        max_len = max(meta.seq_lens_cpu[:nd])
-        width = -(-max_len // block_size)
-        tables = meta.block_tables[:nd, :width].reshape(-1)
+        length = plan.width * block_size
         # index_select of whole blocks (rows of block_size * Hkv * D) is ~3x faster than fancy indexing
-        kb = k_cache.view(num_blocks, -1).index_select(0, tables).view(nd, width * block_size, num_kv_heads, head_dim)
-        vb = v_cache.view(num_blocks, -1).index_select(0, tables).view(nd, width * block_size, num_kv_heads, head_dim)
-        length = kb.shape[1]
-        pad = torch.arange(length, device=q.device)[None, :] >= meta.seq_lens[:nd, None]
-        mask = torch.zeros(pad.shape, dtype=q.dtype, device=q.device).masked_fill_(pad, float("-inf"))
+        kb = k_cache.view(num_blocks, -1).index_select(0, plan.decode_tables).view(nd, length, num_kv_heads, head_dim)
+        vb = v_cache.view(num_blocks, -1).index_select(0, plan.decode_tables).view(nd, length, num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, Hq, 1, D]
             kb.transpose(1, 2),  # [B, Hkv, L, D]
             vb.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
+            attn_mask=plan.decode_mask,
             scale=scale,
             enable_gqa=True,
         )

@@ -9,7 +9,8 @@
   bottom-right aligned, over the cached prefix (prefix-cache hits included) plus the chunk itself.
 
 Softmax runs online in fp32 in the exp2 domain (scale folded with log2 e). Forward stores K/V
-first, then attends, exactly as the PyTorch reference backend does.
+first, then attends, exactly as the PyTorch reference backend does. fp16, bf16 and fp32; any head
+dim (tiles padded to a power of two >= 16), block size and GQA ratio (MHA, GQA, MQA).
 """
 
 from __future__ import annotations
@@ -238,10 +239,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    block_d = _block_d(head_dim)
-    block_n = 64 if block_d <= 128 else 32
-    # fp32 runs its dots on FMA units ("ieee"), whose register tiles spill at 4 warps
-    warps = 8 if q.dtype == torch.float32 else 4
+    block_d, block_n, warps = decode_tiles(head_dim, q.dtype)
     if num_splits > 1:
         part_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -275,12 +273,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _check_layout(k_cache, v_cache, q, out)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
-    block_d = _block_d(head_dim)
-    # tiles that compile for sm_90 without register spills (fp32 dots run on FMA units, not tensor cores)
-    if q.dtype != torch.float32:
-        block_m, block_n, warps = (128, 64, 8) if block_d <= 128 else (64, 32, 4)
-    else:
-        block_m, block_n, warps = (64, 32, 8) if block_d <= 64 else (16, 16, 4)
+    block_d, block_m, block_n, warps = prefill_tiles(head_dim, q.dtype)
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, first_seq,
@@ -303,6 +296,24 @@ def num_kv_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch
     want = min(triton.cdiv(2 * sms, batch * num_kv_heads), triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT),
                MAX_KV_SPLITS)
     return 1 if want <= 1 else triton.next_power_of_2(want)
+
+
+# Tile shapes that compile for sm_90 without register spills (ptxas -v, head dims 16-256). fp32 runs its
+# dots on FMA units ("ieee"), not tensor cores, and needs smaller tiles or more warps.
+
+
+def decode_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """BLOCK_D, BLOCK_N, num_warps of the decode kernel."""
+    block_d = _block_d(head_dim)
+    return block_d, 64 if block_d * dtype.itemsize <= 256 else 32, 8 if dtype == torch.float32 else 4
+
+
+def prefill_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """BLOCK_D, BLOCK_M, BLOCK_N, num_warps of the prefill kernel."""
+    block_d = _block_d(head_dim)
+    if dtype != torch.float32:
+        return (block_d, 128, 64, 8) if block_d <= 128 else (block_d, 64, 32, 4)
+    return (block_d, 64, 32, 8) if block_d <= 64 else (block_d, 16, 16, 4)
 
 
 def _block_d(head_dim: int) -> int:
