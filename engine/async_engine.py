@@ -54,7 +54,6 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._reserved = 0  # admitted requests not yet handed to the engine
         self._queued_tokens = 0
-        self._num_running = 0  # snapshot published by the engine thread after each step
         self._finish_times: deque[float] = deque(maxlen=64)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Event()
@@ -86,7 +85,6 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outputs = engine.step()
-                self._num_running = engine.scheduler.num_running
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
         except BaseException as e:  # noqa: BLE001 - the loop must report any death
@@ -115,12 +113,12 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Admitted requests that are not running yet."""
-        return max(0, len(self._streams) + self._reserved - self._num_running)
+        """Admitted requests that are not running yet (reservations included)."""
+        return self.engine.num_waiting + self._reserved
 
     @property
     def num_running(self) -> int:
-        return self._num_running
+        return self.engine.scheduler.num_running
 
     def retry_after(self) -> float:
         """Seconds until a slot likely frees: queue depth over the measured completion rate, in [1, 60]."""

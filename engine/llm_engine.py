@@ -172,6 +172,13 @@ class LLMEngine:
         with self._lock:
             return bool(self._requests)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running yet: queued in the scheduler, or added since the last step. Any thread."""
+        with self._lock:
+            pending = sum(1 for op, _ in self._inbox if op == "add")
+        return pending + self.scheduler.num_waiting
+
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step + forward pass. Returns an output for every request that changed."""
@@ -181,7 +188,8 @@ class LLMEngine:
             return outputs
         reqs = [self._requests[s.request_id] for s in sched.seqs]
         for r in reqs:
-            r.sample.output_token_ids = r.seq.output_token_ids
+            if r.sample.params.needs_penalties:
+                r.sample.output_token_ids = r.seq.output_token_ids
         sample = [r.sample if want else None for r, want in zip(reqs, sched.sample)]
         sampled, logprobs = self.runner.run(StepInput(sched.seqs, sched.num_new_tokens, sample))
         lp_of = {s.seq_id: lp for s, lp in zip(sched.seqs, logprobs) if lp is not None}

@@ -262,14 +262,20 @@ def test_overload_gets_429_with_retry_after(make_engine):
             retry = int(r["headers"]["retry-after"])
             assert 1 <= retry <= 60 and int(r["headers"]["retry-after-ms"]) == retry * 1000
 
-        # hold the queue full with long requests, then the SDK (no retries) must see RateLimitError
+        # fill both running slots, then the queue, with long requests; the SDK (no retries) must then see
+        # RateLimitError
         async def fill_then_probe():
-            async with httpx.AsyncClient(timeout=300) as c:
-                tasks = [asyncio.create_task(_stream(c, base, 200)) for _ in range(2 + n)]
+            async def until(cond) -> None:
                 deadline = time.monotonic() + 60
-                while state.engine.num_waiting < n:
+                while not cond():
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.02)
+
+            async with httpx.AsyncClient(timeout=300) as c:
+                tasks = [asyncio.create_task(_stream(c, base, 200)) for _ in range(2)]
+                await until(lambda: state.engine.num_running == 2)
+                tasks += [asyncio.create_task(_stream(c, base, 200)) for _ in range(n)]
+                await until(lambda: state.engine.num_waiting == n)
                 sdk = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
                 with pytest.raises(openai.RateLimitError):
                     await sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],

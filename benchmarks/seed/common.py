@@ -1,0 +1,276 @@
+"""Shared plumbing for the chapter's experiments: one model load per (model, dtype) per process,
+engines over shared weights, prompts from the book, robust timing, tables, JSON, checks.
+
+Every script here is a `main(argv) -> dict` that prints its tables, writes `--json PATH`, and ends
+with `finish(...)`, which prints each check and exits non-zero when one fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine import LLMEngine, SamplingParams, make_config
+from engine.config import ModelConfig, bundled_model_path, resolve_dtype
+from engine.models.llama import LlamaModel
+from engine.models.loader import build_model, load_config
+from engine.tokenizer import load_tokenizer
+
+QWEN = "random:qwen2.5-0.5b"  # the chapter's model (24 layers, 14 q heads, 2 kv heads, head dim 64)
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+# ---- models and engines ---------------------------------------------------------------------------
+@dataclass
+class Loaded:
+    """One set of weights, shared by every engine a script builds."""
+
+    path: str
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: object  # None for random weights
+    dtype: torch.dtype
+    device: torch.device
+    load_s: float
+
+    @property
+    def name(self) -> str:
+        return "SmolLM2-135M-Instruct (bundled GGUF)" if self.path == _bundled() else self.path
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES.get(self.dtype, str(self.dtype))
+
+
+_LOADED: dict[tuple[str, torch.dtype, str], Loaded] = {}
+
+
+def _bundled() -> str:
+    return bundled_model_path()
+
+
+def load(model: str | None = None, dtype: str = "auto", device: str = "auto") -> Loaded:
+    """Weights for `model` (None = bundled SmolLM2) in `dtype`; loaded once per process and reused."""
+    path = model or _bundled()
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    dt = resolve_dtype(dtype, dev)
+    key = (path, dt, str(dev))
+    if key not in _LOADED:
+        t0 = time.perf_counter()
+        cfg = load_config(path)
+        weights = build_model(path, cfg, dt, dev, cfg.max_position_embeddings)
+        tok = load_tokenizer(path)
+        _LOADED[key] = Loaded(path, cfg, weights, tok, dt, dev, time.perf_counter() - t0)
+    return _LOADED[key]
+
+
+def load_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    return resolve_dtype(name, torch.device(device))
+
+
+def engine(loaded: Loaded, **options) -> LLMEngine:
+    """A fresh engine (its own KV cache, block manager, scheduler) over the shared weights."""
+    if "num_blocks" in options and "max_model_len" not in options:  # small caches: no capping warning
+        capacity = options["num_blocks"] * options.get("block_size", 16)
+        options["max_model_len"] = min(capacity, loaded.config.max_position_embeddings)
+    cfg = make_config(model=loaded.path, dtype=loaded.dtype_name, device=str(loaded.device), **options)
+    return LLMEngine(cfg, model=loaded.model, tokenizer=loaded.tokenizer)
+
+
+def blocks_for(tokens: int, block_size: int = 16, slack: int = 4) -> int:
+    return -(-tokens // block_size) + slack
+
+
+def greedy(max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+
+
+def run_all(eng: LLMEngine) -> dict[str, dict]:
+    """Step until idle; per request id: token ids, logprobs, finish metrics."""
+    res: dict[str, dict] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            r = res.setdefault(out.request_id, {"tokens": [], "logprobs": []})
+            r["tokens"] += out.new_token_ids
+            r["logprobs"] += out.logprobs
+            if out.finished:
+                r["metrics"] = out.metrics
+                r["num_cached_tokens"] = out.num_cached_tokens
+    return res
+
+
+def prefill_times(eng: LLMEngine, ids: list[int], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall time of one engine step that prefills all of `ids` from nothing and samples a token.
+
+    The engine must have prefix caching off (every repeat is a real, full recompute) and a token
+    budget >= len(ids) (one step, no chunking). The first `warmup` runs are not timed.
+    """
+    assert not eng.config.cache.enable_prefix_caching
+    assert eng.config.scheduler.max_num_batched_tokens >= len(ids)
+    times = []
+    for r in range(warmup + repeats):
+        rid = f"prefill-{len(ids)}-{r}-{time.monotonic_ns()}"
+        eng.add_request(rid, ids, greedy(1))
+        t = timed(eng.step, eng.runner.device)
+        assert not eng.has_unfinished(), "the prefill did not finish in one step"
+        if r >= warmup:
+            times.append(t)
+    return times
+
+
+def decode_times(eng: LLMEngine, ids: list[int], steps: int) -> list[float]:
+    """Wall times of `steps` engine steps that each decode one token against a cache of len(ids)+i."""
+    assert eng.config.scheduler.max_num_batched_tokens >= len(ids)
+    rid = f"decode-{len(ids)}-{time.monotonic_ns()}"
+    eng.add_request(rid, ids, greedy(steps + 1))
+    eng.step()  # the prefill (and first token): not timed
+    times = [timed(eng.step, eng.runner.device) for _ in range(steps)]
+    assert not eng.has_unfinished()
+    return times
+
+
+def batch_decode_times(eng: LLMEngine, prompts: list[list[int]], steps: int) -> list[float]:
+    """Wall times of `steps` engine steps in which all len(prompts) requests decode one token each."""
+    tag = time.monotonic_ns()
+    for i, ids in enumerate(prompts):
+        eng.add_request(f"batch-{tag}-{i}", ids, greedy(steps + 1))
+    eng.step()  # prefill of every prompt + its first token: not timed
+    running = eng.scheduler.running
+    assert len(running) == len(prompts) and all(s.num_output_tokens == 1 for s in running), \
+        "the prefill did not fit one step: raise max_num_batched_tokens / max_num_seqs"
+    times = [timed(eng.step, eng.runner.device) for _ in range(steps)]
+    assert not eng.has_unfinished()
+    return times
+
+
+# ---- prompts ---------------------------------------------------------------------------------------
+_BOOK_IDS: dict[int, list[int]] = {}
+_TEXT_TOKENIZER: list = []
+
+
+def text_tokenizer():
+    """The bundled model's tokenizer (cached on disk after its first load): turns the book into ids."""
+    if not _TEXT_TOKENIZER:
+        _TEXT_TOKENIZER.append(load_tokenizer(_bundled()))
+    return _TEXT_TOKENIZER[0]
+
+
+def book_ids(loaded: Loaded, n: int, offset: int = 0) -> list[int]:
+    """`n` token ids of prose from the shared book (random-weight models get the bundled tokenizer's ids
+    of the same text, folded into their vocabulary)."""
+    tok = loaded.tokenizer if loaded.tokenizer is not None else text_tokenizer()
+    key = id(tok)
+    if key not in _BOOK_IDS or len(_BOOK_IDS[key]) < offset + n:
+        from benchmarks import workloads
+
+        words = workloads.load_words()
+        need_words = int((offset + n) * 1.2) + 200
+        _BOOK_IDS[key] = list(tok.encode(" ".join(words[:need_words]), add_special_tokens=False))
+        while len(_BOOK_IDS[key]) < offset + n:
+            need_words *= 2
+            _BOOK_IDS[key] = list(tok.encode(" ".join(words[:need_words]), add_special_tokens=False))
+    ids = _BOOK_IDS[key][offset:offset + n]
+    return [t % loaded.config.vocab_size for t in ids]
+
+
+# ---- timing ----------------------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device | None = None) -> float:
+    if device is not None:
+        sync(device)
+    t0 = time.perf_counter()
+    fn()
+    if device is not None:
+        sync(device)
+    return time.perf_counter() - t0
+
+
+def summary(times: Sequence[float]) -> dict:
+    """min is the best estimate of the intrinsic cost on a shared, noisy machine; median for context."""
+    return {"min_s": min(times), "median_s": statistics.median(times), "n": len(times)}
+
+
+# ---- output ----------------------------------------------------------------------------------------
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str | None = None) -> str:
+    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else f"{c}" for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = [title] if title else []
+    lines.append("  ".join(h.rjust(w) for h, w in zip(cells[0], widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells[1:]]
+    text = "\n".join(lines)
+    print("\n" + text, flush=True)
+    return text
+
+
+def ms(seconds: float, digits: int = 1) -> str:
+    return f"{seconds * 1e3:.{digits}f}"
+
+
+def base_parser(doc: str | None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes; asserts the property (for tests)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    return ap
+
+
+def setup(args: argparse.Namespace) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return {"machine": machine(), "quick": bool(args.quick)}
+
+
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+
+
+def finish(result: dict, checks: dict[str, tuple[bool, str]], json_path: str | None) -> dict:
+    """Print the checks, write JSON, exit non-zero if any check failed."""
+    result["checks"] = {name: {"ok": bool(ok), "detail": detail} for name, (ok, detail) in checks.items()}
+    result["ok"] = all(ok for ok, _ in checks.values())
+    print()
+    for name, (ok, detail) in checks.items():
+        print(f"CHECK {'PASS' if ok else 'FAIL'}  {name}: {detail}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    if not result["ok"]:
+        failed = ", ".join(n for n, (ok, _) in checks.items() if not ok)
+        print(f"FAILED: {failed}", file=sys.stderr)
+        raise SystemExit(1)
+    return result
+
+
+def compare_greedy(ours: list[int], ref: list[int], our_logprobs, tol: float = 1e-3) -> tuple[bool, str]:
+    """Token-identical, or the first divergence is a genuine near-tie (both candidates' logits within tol
+    in `ours`' top logprobs; logprob differences equal logit differences)."""
+    if ours == ref:
+        return True, f"identical ({len(ours)} tokens)"
+    n = min(len(ours), len(ref))
+    i = next((i for i in range(n) if ours[i] != ref[i]), n)
+    if i == n:
+        return False, f"lengths differ: {len(ours)} vs {len(ref)}"
+    top = dict(our_logprobs[i].top) if i < len(our_logprobs) and our_logprobs[i] is not None else {}
+    a, b = ours[i], ref[i]
+    if a not in top or b not in top:
+        return False, f"diverge at {i}: {a} vs {b}, and {b} is not in the top-{len(top)}"
+    gap = abs(top[a] - top[b])
+    ok = gap <= tol
+    return ok, f"first divergence at token {i} ({a} vs {b}) is a near-tie: logit gap {gap:.1e}" + (
+        "" if ok else f" > {tol}")
