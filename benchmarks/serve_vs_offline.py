@@ -1,8 +1,10 @@
 """What the HTTP layer costs: the same workload through the server (streaming) and the offline engine.
 
-Starts `pagedserve serve` in-process (uvicorn on 127.0.0.1), runs `pagedserve bench` against it with the
-prose workload (64 requests, all at once, /v1/completions so prompts are identical to the offline run),
-then runs the same requests through `LLM.generate` on the same engine, and prints both and the ratio.
+Starts the server in-process (uvicorn on 127.0.0.1), runs `pagedserve bench` against it from a separate
+process (a client in the server's process would compete for its GIL) with the prose workload (64
+requests, all at once, /v1/completions so prompts are identical to the offline run), then runs the same
+requests through `LLM.generate` on the same engine, and prints both and the ratio. Client and server
+share this machine's cores, so the HTTP figure includes the client's own CPU use.
 
     python benchmarks/serve_vs_offline.py [--num-prompts 64] [--json results/serve_vs_offline.json]
 """
@@ -13,11 +15,14 @@ import argparse
 import json
 import os
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 import httpx  # noqa: E402
 import uvicorn  # noqa: E402
@@ -33,6 +38,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _thread_cpu_s(tid: int) -> float:
+    """CPU seconds a thread of this process has used (Linux; 0 elsewhere)."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -58,11 +73,16 @@ def main(argv: list[str] | None = None) -> dict:
         except httpx.HTTPError:
             time.sleep(0.1)
 
-    bench_args = ["--base-url", base, "--endpoint", "completions", "--workload", "prose", "--num-prompts",
-                  str(args.num_prompts), "--no-progress", "--num-warmups", "1"]
-    if args.text:
-        bench_args += ["--text", args.text]
-    online = bench.main(bench_args)
+    loop_cpu0 = _thread_cpu_s(thread.native_id)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "bench.json")
+        cmd = [sys.executable, "-m", "benchmarks.serve", "--base-url", base, "--endpoint", "completions",
+               "--workload", "prose", "--num-prompts", str(args.num_prompts), "--no-progress",
+               "--num-warmups", "1", "--json", out] + (["--text", args.text] if args.text else [])
+        subprocess.run(cmd, check=True, cwd=REPO)
+        with open(out) as f:
+            online = json.load(f)
+    loop_cpu = _thread_cpu_s(thread.native_id) - loop_cpu0
     server.should_exit = True
     thread.join(timeout=10)
     while engine.has_unfinished():  # nothing should be left, but never measure on a busy engine
@@ -86,10 +106,12 @@ def main(argv: list[str] | None = None) -> dict:
     for name, tps, p50, p99 in rows:
         print(f"{name:<36}{tps:>11.1f}{p50:>13.0f}{'' if p99 is None else f'{p99:.0f}':>13}")
     overhead = 1 - online["output_throughput"] / offline_tps
-    print(f"HTTP layer cost: {overhead * 100:.1f}% of offline throughput; online TPOT p50 "
+    print(f"HTTP path: {overhead * 100:.1f}% less throughput than offline; online TPOT p50 "
           f"{online['median_tpot_ms']:.1f} ms, p99 {online['p99_tpot_ms']:.1f} ms")
+    print(f"server event-loop thread (HTTP, SSE, metrics) used {loop_cpu:.2f} s of CPU over the "
+          f"{online['duration']:.1f} s run ({loop_cpu / online['duration'] * 100:.1f}% of one core)")
     result = {"offline_output_tok_s": offline_tps, "online": {k: v for k, v in online.items() if k != "requests"},
-              "http_overhead_fraction": overhead}
+              "http_overhead_fraction": overhead, "event_loop_cpu_s": loop_cpu}
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
