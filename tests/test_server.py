@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -362,10 +363,27 @@ def test_health_503_while_loading_and_after_engine_death(make_engine):
             if httpx.get(f"{base}/health").status_code == 200:
                 break
             time.sleep(0.05)
-        # a crash inside the model kills the loop: /health and new requests answer 503, nothing hangs
+        # a crash inside the model kills the loop: a stream in flight gets an error event then [DONE];
+        # /health and new requests answer 503; nothing hangs
         state = app.state.pagedserve
         original = engine.runner.run
-        engine.runner.run = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+        crash = threading.Event()
+
+        def run(*args, **kwargs):
+            if crash.is_set():
+                raise RuntimeError("boom")
+            return original(*args, **kwargs)
+
+        engine.runner.run = run
+        events = []
+        body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        crash.set()
+        assert events[-1] == "[DONE]" and "boom" in json.loads(events[-2])["error"]["message"]
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
         assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
         assert httpx.get(f"{base}/health").status_code == 503
@@ -397,3 +415,35 @@ def test_bench_against_live_pagedserve(make_engine, tmp_path, capsys):
     assert result["failed"] == 0
     assert result["rejected_429"] > 0 and result["completed"] + result["rejected_429"] == 12
     assert result["output_throughput"] > 0
+
+
+def test_queued_token_limit(make_engine, smollm):
+    """Past --max-queued-tokens of prompts waiting for their prefill, new requests get 429."""
+    engine = make_engine(num_blocks=256, max_num_batched_tokens=64)  # a long prompt takes many steps
+    long_prompt = smollm.tokenizer.decode(list(range(1000, 3000)))
+    with running_server(engine, AdmissionLimits(max_queued_tokens=1000)) as (base, state):
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as c:
+                first = asyncio.create_task(c.post(f"{base}/v1/completions",
+                                                   json={"prompt": long_prompt, "max_tokens": 2}))
+                while state.engine.num_waiting + state.engine.num_running == 0:
+                    await asyncio.sleep(0.01)
+                second = await c.post(f"{base}/v1/completions", json={"prompt": "Hello " * 50, "max_tokens": 2})
+                return await first, second
+
+        first, second = asyncio.run(main())
+        assert first.status_code == 200
+        assert second.status_code == 429 and "prompt tokens queued" in second.json()["error"]["message"]
+        assert int(second.headers["retry-after"]) >= 1
+        _wait_idle(state)
+
+
+def test_chat_cli_streams_a_reply(server):
+    base, _ = server
+    out = subprocess.run([sys.executable, "-m", "server", "chat", "--base-url", f"{base}/v1", "--max-tokens", "8",
+                          "--temperature", "0"], input="Say hi\n\n", capture_output=True, text=True, timeout=120,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert f"chatting with {MODEL}" in out.stdout
+    reply = out.stdout.split("assistant> ", 1)[1].splitlines()[0]
+    assert reply.strip()
