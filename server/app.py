@@ -159,22 +159,20 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
     # ---- generation ---------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        aeng = _admit(body)
-        n = body.n
-        try:
-            engine = aeng.engine
+        aeng = _admit(body, count=body.n)
+        engine = aeng.engine
+
+        def build():
             try:
                 messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-                prompt_ids = apply_chat_template(engine.tokenizer, messages)
+                ids = apply_chat_template(engine.tokenizer, messages)
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from e
             max_tokens = body.max_completion_tokens or body.max_tokens
             lp = (body.top_logprobs or 0) if body.logprobs else None
-            jobs = [(prompt_ids, _params(body, max_tokens, lp, i)) for i in range(n)]
-        except BaseException:
-            for _ in range(n):
-                aeng.release()
-            raise
+            return ids, [(ids, _params(body, max_tokens, lp, i)) for i in range(body.n)]
+
+        prompt_ids, jobs = _build_or_release(aeng, body.n, build)
         streams = _submit(aeng, jobs, param="messages")
         rid, created = new_id("chatcmpl"), now()
         prompt_tokens = len(prompt_ids)
@@ -197,23 +195,21 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
     async def completions(body: CompletionRequest, raw: Request):
         prompts = body.prompts()
         aeng = _admit(body, count=len(prompts) * body.n)
-        total = len(prompts) * body.n
-        try:
-            engine = aeng.engine
-            jobs, prompt_tokens = [], 0
+        engine = aeng.engine
+
+        def build():
+            jobs, total_tokens = [], 0
             for p in prompts:
                 ids = engine.tokenize(p) if isinstance(p, str) else p
-                prompt_tokens += len(ids)
-                for i in range(body.n):
-                    jobs.append((ids, _params(body, body.max_tokens or 16, body.logprobs, i)))
-        except BaseException:
-            for _ in range(total):
-                aeng.release()
-            raise
+                total_tokens += len(ids)
+                jobs += [(ids, _params(body, body.max_tokens or 16, body.logprobs, i)) for i in range(body.n)]
+            return total_tokens, jobs
+
+        prompt_tokens, jobs = _build_or_release(aeng, len(prompts) * body.n, build)
         streams = _submit(aeng, jobs, param="prompt")
         rid, created = new_id("cmpl"), now()
         tokenizer = engine.tokenizer
-        echo = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if body.echo else "" for p in prompts
+        echo = [(p if isinstance(p, str) else _text(tokenizer, p)) if body.echo else "" for p in prompts
                 for _ in range(body.n)]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -248,6 +244,16 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
         return aeng
 
     return app
+
+
+def _build_or_release(aeng: AsyncEngine, reserved: int, build: Callable[[], Any]) -> Any:
+    """Run `build` (tokenize, validate params); if it fails, give the admission reservations back."""
+    try:
+        return build()
+    except BaseException:
+        for _ in range(reserved):
+            aeng.release()
+        raise
 
 
 def _overloaded(e: OverloadedError) -> APIError:
@@ -435,8 +441,12 @@ def _completion_chunks(streams, rid, created, model, prompt_tokens, include_usag
     return _guard(gen())
 
 
+def _text(tokenizer, token_ids: list[int]) -> str:
+    return tokenizer.decode(token_ids) if tokenizer is not None else " ".join(map(str, token_ids))
+
+
 def _piece(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+    return _text(tokenizer, [token_id])
 
 
 def _chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
