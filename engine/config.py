@@ -90,13 +90,6 @@ class ModelConfig:
         """2 (K and V) * layers * kv heads * head dim * bytes per element."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size(dtype)
 
-    def num_params(self) -> int:
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * h * i + 2 * h
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
-
 
 def dtype_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()

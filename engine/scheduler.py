@@ -27,13 +27,6 @@ class SchedulerOutput:
     sample: list[bool] = field(default_factory=list)
     num_preempted: int = 0
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
 
 @dataclass(slots=True)
 class SchedulerStats:
@@ -85,9 +78,6 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
-
-    def waiting_tokens(self) -> int:
-        return sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
 
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
