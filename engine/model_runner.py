@@ -116,8 +116,8 @@ class ModelRunner:
                                 host.metadata(self.device, query_lens, seq_lens), self.backend)
 
         # logits only at each sampling sequence's last scheduled token
-        ends = host.query_start_loc[1:] - 1
-        sampling = [(int(ends[j]), i) for j, i in enumerate(order) if step.sample_requests[i] is not None]
+        ends = host.query_start_loc[1:].tolist()  # one conversion, not a tensor index per sequence
+        sampling = [(ends[j] - 1, i) for j, i in enumerate(order) if step.sample_requests[i] is not None]
         sampled: list[int | None] = [None] * len(step.seqs)
         logprobs: list[TokenLogprob | None] = [None] * len(step.seqs)
         if not sampling:
