@@ -18,15 +18,11 @@ class Request:
 
 
 def default_text_path() -> str:
-    """The shared book: ../shared/data/ beside the checkout (or the CWD), else $PAGEDSERVE_TEXT."""
-    candidates = [os.environ.get("PAGEDSERVE_TEXT", ""),
-                  os.path.join(_REPO, "..", "shared", "data", TEXT_NAME),
-                  os.path.join(os.getcwd(), "..", "shared", "data", TEXT_NAME),
-                  os.path.join(_REPO, "shared", "data", TEXT_NAME)]
-    for path in candidates:
-        if path and os.path.isfile(path):
-            return os.path.abspath(path)
-    raise FileNotFoundError(f"no text file found; pass --text PATH (looked for ../shared/data/{TEXT_NAME})")
+    """The book shipped in benchmarks/data/ (public domain), or $PAGEDSERVE_TEXT if set."""
+    path = os.environ.get("PAGEDSERVE_TEXT") or os.path.join(_REPO, "benchmarks", "data", TEXT_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"text file {path} not found; pass --text PATH or set PAGEDSERVE_TEXT")
+    return path
 
 
 def load_words(path: str | None = None) -> list[str]:

@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.config import opt
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -29,8 +30,9 @@ class OverloadedError(RuntimeError):
 
 @dataclass(frozen=True)
 class AdmissionLimits:
-    max_waiting_requests: int | None = None  # requests admitted but not yet running
-    max_queued_tokens: int | None = None  # prompt tokens of requests not yet started
+    max_waiting_requests: int | None = opt(
+        256, "requests allowed to wait for a slot (admitted, not yet running); more get 429 + Retry-After")
+    max_queued_tokens: int | None = opt(None, "prompt tokens allowed to wait; more get 429 + Retry-After")
 
 
 class _Stream:

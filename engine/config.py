@@ -14,6 +14,12 @@ from engine.errors import ModelLoadError
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
+def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None) -> Any:
+    """One user-facing option, defined once: its default and help live on the config field, and the CLI
+    builds its flag from it (`--field-name`, or `--flag`; booleans get `--x/--no-x`)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-family decoder. Built from a HF config.json or GGUF metadata."""
@@ -135,10 +141,12 @@ def cpu_has_fast_bf16() -> bool:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    num_blocks: int | None = None  # explicit count wins over the memory budget
-    memory_gib: float | None = None  # KV budget; default: 4 GiB on CPU, 90% of free memory on CUDA
-    enable_prefix_caching: bool = True
+    block_size: int = opt(16, "tokens per KV-cache block (a power of two)")
+    num_blocks: int | None = opt(None, "KV-cache blocks; an explicit count wins over --kv-cache-gib")
+    memory_gib: float | None = opt(None, "KV-cache memory budget (default 1 GiB on CPU, 90%% of free GPU memory)",
+                                   flag="kv_cache_gib")
+    enable_prefix_caching: bool = opt(True, "share KV blocks between requests with a common prefix",
+                                      flag="prefix_caching")
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -149,9 +157,10 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    policy: str = "continuous"  # "continuous" | "static" (fixed batch runs until its longest member ends)
+    max_num_seqs: int = opt(256, "max sequences per step")
+    max_num_batched_tokens: int = opt(2048, "token budget per step")
+    policy: str = opt("continuous", "continuous, or static (a fixed batch runs until its longest member ends)",
+                      choices=("continuous", "static"))
 
     def __post_init__(self) -> None:
         if self.policy not in ("continuous", "static"):
@@ -162,14 +171,15 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # GGUF file, HF model directory, or "random:<shape>"; None = bundled SmolLM2
-    tokenizer: str | None = None  # defaults to the model's own
-    dtype: str = "auto"
-    device: str = "auto"
-    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
-    cuda_graphs: bool = True  # capture decode steps (CUDA + Triton backend only)
-    max_model_len: int | None = None  # defaults to the model's context length
-    seed: int = 0
+    model: str | None = opt(None, "GGUF file, Hugging Face model directory, or random:<shape> "
+                                  "(default: the bundled SmolLM2-135M-Instruct)")
+    tokenizer: str | None = opt(None, "tokenizer path (default: the model's own)")
+    dtype: str = opt("auto", "auto (bf16 where it is fast, else fp32), float32, bfloat16, float16")
+    device: str = opt("auto", "auto, cpu, cuda")
+    attention_backend: str = opt("auto", "attention implementation", choices=("auto", "torch", "triton"))
+    cuda_graphs: bool = opt(True, "capture decode steps as CUDA graphs (CUDA + Triton backend)")
+    max_model_len: int | None = opt(None, "context length (default: the model's)")
+    seed: int = opt(0, "seed for random weights and unseeded sampling")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -9,7 +9,7 @@ import math
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,6 +19,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AdmissionLimits, AsyncEngine, EngineDeadError, OverloadedError, RequestStream
+from engine.config import opt
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampler import TokenLogprob
@@ -44,8 +45,12 @@ class APIError(Exception):
 
 @dataclass
 class ServerConfig:
-    served_model_name: str
-    limits: AdmissionLimits
+    served_model_name: str | None = opt(None, "model name clients send and /v1/models lists "
+                                              "(default: the model file's name)")
+    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    host: str = opt("127.0.0.1", "address to listen on")
+    port: int = opt(8000, "port to listen on")
+    log_level: str = opt("info", "uvicorn log level")
     disconnect_poll_s: float = 0.1
 
 

@@ -3,43 +3,48 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
+import typing
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """Flags for every `opt(...)` field of a config dataclass: names, types, defaults and help come from there."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata:
+            continue
+        flag = "--" + (f.metadata["flag"] or f.name).replace("_", "-")
+        kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
+        if kind is bool:
+            group.add_argument(flag, dest=f.name, default=f.default, action=argparse.BooleanOptionalAction,
+                               help=f.metadata["help"])
+        else:
+            group.add_argument(flag, dest=f.name, default=f.default, type=kind, choices=f.metadata["choices"],
+                               help=f.metadata["help"] + (" (default: %(default)s)" if f.default is not None else ""))
+
+
+def options(args: argparse.Namespace, cls: type) -> dict:
+    """The parsed values of `cls`'s option fields, by field name."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if "help" in f.metadata}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="GGUF file, Hugging Face model directory, or random:<shape> (default: bundled SmolLM2-135M)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's own)")
-    g.add_argument("--dtype", default="auto", help="auto (bf16 where fast, else fp32), float32, bfloat16, float16")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256, help="max sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    g.add_argument("--policy", default="continuous", choices=["continuous", "static"])
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: from --kv-cache-gib)")
-    g.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="KV-cache memory budget (default 1 GiB on CPU, 90%% of free GPU memory)")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--seed", type=int, default=0)
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    add_options(p, EngineConfig, "engine")
+    add_options(p, SchedulerConfig, "scheduler")
+    add_options(p, CacheConfig, "KV cache")
 
 
 def _engine_config(args: argparse.Namespace):
-    from engine.config import make_config
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
-    return make_config(
-        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
-        attention_backend=args.attention_backend, cuda_graphs=not args.no_cuda_graphs,
-        max_model_len=args.max_model_len, seed=args.seed,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, policy=args.policy,
-        block_size=args.block_size, num_blocks=args.num_blocks, memory_gib=args.kv_cache_gib,
-        enable_prefix_caching=not args.no_prefix_caching,
-    )
+    return EngineConfig(**options(args, EngineConfig), cache=CacheConfig(**options(args, CacheConfig)),
+                        scheduler=SchedulerConfig(**options(args, SchedulerConfig)))
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -50,11 +55,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from server.app import ServerConfig, create_app
 
     config = _engine_config(args)
-    name = args.served_model_name or _default_name(args.model)
-    limits = AdmissionLimits(args.max_waiting_requests, args.max_queued_tokens)
-    app = create_app(lambda: LLMEngine(config), ServerConfig(name, limits))
-    print(f"pagedserve: serving {name!r} on http://{args.host}:{args.port}/v1 (loading the model...)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = ServerConfig(**options(args, ServerConfig), limits=AdmissionLimits(**options(args, AdmissionLimits)))
+    if server.served_model_name is None:
+        server = dataclasses.replace(server, served_model_name=_default_name(args.model))
+    app = create_app(lambda: LLMEngine(config), server)
+    print(f"pagedserve: serving {server.served_model_name!r} on http://{server.host}:{server.port}/v1 "
+          "(loading the model...)", flush=True)
+    uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level, timeout_graceful_shutdown=5)
 
 
 def _default_name(model: str | None) -> str:
@@ -145,15 +152,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="pagedserve", description="A small, fast LLM serving engine.")
     sub = ap.add_subparsers(dest="command", required=True)
 
+    from engine.async_engine import AdmissionLimits
+    from server.app import ServerConfig
+
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-waiting-requests", type=int, default=256,
-                   help="requests allowed to wait for a slot; more get 429 + Retry-After")
-    p.add_argument("--max-queued-tokens", type=int, default=None, help="prompt tokens allowed to wait")
-    p.add_argument("--log-level", default="info")
+    add_options(p, ServerConfig, "server")
+    add_options(p, AdmissionLimits, "admission")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate from a prompt, streaming to the terminal")

@@ -87,9 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"throughput at batch {hi} > batch {batches[0]}": (
             by[hi]["tokens_per_s"] > by[batches[0]]["tokens_per_s"],
             f"{by[hi]['tokens_per_s']:.1f} vs {by[batches[0]]['tokens_per_s']:.1f} tok/s "
-            f"({by[hi]['throughput_x']:.2f}x; per-token latency {by[hi]['latency_x']:.2f}x)"),
+            f"({by[hi]['throughput_x']:.2f}x; per-token latency {by[hi]['latency_x']:.2f}x)", common.TIMING),
     }
-    return common.finish(result, checks, args.json)
+    return common.finish(result, checks, args)
 
 
 if __name__ == "__main__":

@@ -237,15 +237,15 @@ def main(argv: list[str] | None = None) -> dict:
         "identical greedy tokens with and without the cache": (ident["ok"], ident["detail"]),
         "recompute is slower for the whole generation": (
             ident["uncached_s"] > ident["cached_s"],
-            f"{ident['uncached_s']:.2f} s vs {ident['cached_s']:.2f} s"),
+            f"{ident['uncached_s']:.2f} s vs {ident['cached_s']:.2f} s", common.TIMING),
         "engine: uncached step grows much faster with context than the cached step": (
             uncached_growth > 2 * cached_growth and hi["uncached_step_s"] > hi["cached_step_s"],
-            f"x{uncached_growth:.1f} vs x{cached_growth:.2f} over {growth:.0f}x context"),
+            f"x{uncached_growth:.1f} vs x{cached_growth:.2f} over {growth:.0f}x context", common.TIMING),
         "single head: n x n recompute grows faster than the 1 x n row and costs more": (
             head_u > 2 * head_c and head[-1]["recompute_s"] > head[-1]["cached_s"],
-            f"x{head_u:.0f} vs x{head_c:.1f}"),
+            f"x{head_u:.0f} vs x{head_c:.1f}", common.TIMING),
     }
-    return common.finish(result, checks, args.json)
+    return common.finish(result, checks, args)
 
 
 def _bytes(n: int) -> str:

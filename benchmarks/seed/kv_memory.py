@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         checks["qwen2.5-0.5b in 16-bit: 12,288 bytes/token and 768 MiB for 65,536 tokens"] = (
             qwen16["measured_bytes_per_token"] == 12288 and all(r["bytes"] == 768 * 2**20 for r in even),
             f"{qwen16['measured_bytes_per_token']:,.0f} bytes/token, {even[0]['bytes'] / 2**20:.0f} MiB")
-    return common.finish(result, checks, args.json)
+    return common.finish(result, checks, args)
 
 
 if __name__ == "__main__":

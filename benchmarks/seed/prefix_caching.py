@@ -95,13 +95,13 @@ def main(argv: list[str] | None = None) -> dict:
     checks = {
         "cached TTFT < uncached TTFT": (
             t["cached_ttft_s"] < t["uncached_ttft_s"],
-            f"{ms(t['cached_ttft_s'])} ms vs {ms(t['uncached_ttft_s'])} ms ({t['dtype']})"),
+            f"{ms(t['cached_ttft_s'])} ms vs {ms(t['uncached_ttft_s'])} ms ({t['dtype']})", common.TIMING),
         "the prefix was served from the cache": (
             t["cached_tokens"] >= prefix_tokens - 16 and t["first_request_cached_tokens"] == 0,
             f"{t['cached_tokens']} of {t['prompt_tokens']} prompt tokens cached"),
         f"identical greedy output ({ident['dtype']})": (ident["ok"], "; ".join(sorted(set(ident["details"])))),
     }
-    return common.finish(result, checks, args.json)
+    return common.finish(result, checks, args)
 
 
 if __name__ == "__main__":
