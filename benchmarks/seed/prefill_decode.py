@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"({decode[-1]['C'] // decode[0]['C']}x more cache): x{flat:.2f}.")
     checks = {
         f"a prompt token (P={ref_p}) is cheaper than a decode step": (
-            per_token < decode_min, f"{ms(per_token, 2)} ms/token vs {ms(decode_min)} ms/step (fastest C)", common.TIMING),
+            per_token < decode_min, f"{ms(per_token, 2)} ms/token vs {ms(decode_min)} ms/step (fastest C)",
+            common.TIMING),
     }
     return common.finish(result, checks, args)
 

@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{ratios['throughput']:.2f}x throughput, mean latency / {ratios['mean_latency']:.2f}")
         checks["engine: continuous throughput >= static"] = (
             c["tokens_per_s"] >= s["tokens_per_s"],
-            f"{c['tokens_per_s']:.1f} vs {s['tokens_per_s']:.1f} tok/s ({c['steps']} vs {s['steps']} steps)", common.TIMING)
+            f"{c['tokens_per_s']:.1f} vs {s['tokens_per_s']:.1f} tok/s ({c['steps']} vs {s['steps']} steps)",
+            common.TIMING)
     return common.finish(result, checks, args)
 
 
