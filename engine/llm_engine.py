@@ -22,7 +22,7 @@ from engine.sampler import SampleRequest, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,15 @@ class LLMEngine:
         # The engine thread detokenizes while other threads encode: HF fast tokenizers mutate state on
         # encode ("Already borrowed"), so the detokenizer gets its own copy.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
+        self._tokenizer_lock = threading.Lock()  # encoding from several threads: one at a time
+        # No token is longer than this many characters, so a longer text cannot fit the context: it is
+        # refused without tokenizing it (a normalizer may merge characters, hence the slack).
+        self._max_token_chars = 0
+        if self.tokenizer is not None:
+            self._max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            if backend is None or backend.normalizer is not None:
+                self._max_token_chars *= 4
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids |= {self.tokenizer.eos_token_id}
@@ -124,11 +133,28 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt. Any thread; O(prompt size), so servers call it off their event loop."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: pass token ids", "prompt")
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True)) if prompt else []
+            self.check_prompt_chars(len(prompt), "prompt")
+            with self._tokenizer_lock:
+                return list(self.tokenizer.encode(prompt, add_special_tokens=True)) if prompt else []
         return list(prompt)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Chat messages -> prompt token ids through the model's template. Any thread."""
+        with self._tokenizer_lock:
+            return apply_chat_template(self.tokenizer, messages)
+
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
+        """Refuse a text that cannot fit the context whatever its tokens, before paying to tokenize it."""
+        limit = self.max_model_len * self._max_token_chars
+        if self._max_token_chars and num_chars > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and the prompt has "
+                f"{num_chars} characters: more than {limit} cannot fit. Please reduce the prompt.", param,
+                "context_length_exceeded")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a tokenized request; return its resolved max_tokens. Raises InvalidRequestError."""
@@ -149,6 +175,9 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
         max_tokens = self.validate(ids, params)
+        with self._lock:  # checked early too, so that a duplicate costs nothing below
+            if request_id in self._requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         seq = Sequence(next(self._seq_ids), request_id, ids, params, max_tokens, self.eos_token_ids,
                        arrival_time=arrival_time or time.monotonic())
         generator = None
@@ -174,10 +203,12 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not running yet: queued in the scheduler, or added since the last step. Any thread."""
+        """Requests not running yet: queued in the scheduler, or added since the last step. Any thread.
+
+        The inbox moves into the scheduler under the same lock, so no request is ever counted in neither.
+        """
         with self._lock:
-            pending = sum(1 for op, _ in self._inbox if op == "add")
-        return pending + self.scheduler.num_waiting
+            return sum(1 for op, _ in self._inbox if op == "add") + self.scheduler.num_waiting
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -200,11 +231,12 @@ class LLMEngine:
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
             inbox, self._inbox = self._inbox, []
+            for op, item in inbox:  # an abort follows its add in the inbox, so adding all first is safe
+                if op == "add":
+                    self.scheduler.add(item)
         outputs = []
         for op, item in inbox:
-            if op == "add":
-                self.scheduler.add(item)
-            else:
+            if op == "abort":
                 seq = self.scheduler.abort(item)
                 if seq is not None:
                     outputs.append(self._finish_output(self._requests[item], [], "", []))
@@ -214,8 +246,11 @@ class LLMEngine:
         seq = req.seq
         token = seq.token_ids[-1]
         req.stop.feed(req.detokenizer.push([token]))
-        if req.stop.stopped and not seq.is_finished:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        if req.stop.stopped:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            else:  # the stop string completed on the last allowed token: it stopped, it was not cut short
+                seq.status = SequenceStatus.FINISHED_STOPPED
         text = req.stop.take(final=seq.is_finished)
         lps = [logprob] if logprob is not None else []
         if seq.is_finished:
@@ -277,11 +312,32 @@ class LLM:
         base = next(self.engine._seq_ids)
         ids = [f"gen-{base}-{i}" for i in range(len(prompts))]
         prompt_ids = {}
-        for rid, prompt, params in zip(ids, prompts, sampling_params):
+        for rid, prompt, params in zip(ids, prompts, sampling_params):  # all checked before any is queued
             prompt_ids[rid] = self.engine.tokenize(prompt)
-            self.engine.add_request(rid, prompt_ids[rid], params)
+            self.engine.validate(prompt_ids[rid], params or SamplingParams())
         done: dict[str, GenerationResult] = {}
         results = {rid: GenerationResult(rid, prompt_ids[rid], "", [], "", 0, None) for rid in ids}
+        submitted: list[str] = []
+        try:
+            for rid, params in zip(ids, sampling_params):
+                self.engine.add_request(rid, prompt_ids[rid], params)
+                submitted.append(rid)
+            self._run(ids, results, done)
+        except BaseException:  # nothing of this call may stay queued (KeyboardInterrupt included)
+            for rid in submitted:
+                if rid not in done:
+                    self.engine.abort(rid)
+            try:
+                while any(rid not in done for rid in submitted) and self.engine.has_unfinished():
+                    for out in self.engine.step():  # drain the aborts so the blocks come back now
+                        if out.finished:
+                            done[out.request_id] = results.get(out.request_id)
+            except Exception:  # noqa: BLE001 - the engine itself is broken: the first error is the one to raise
+                logger.exception("could not drain aborted requests")
+            raise
+        return [done[rid] for rid in ids]
+
+    def _run(self, ids: list[str], results: dict[str, GenerationResult], done: dict) -> None:
         while len(done) < len(ids):
             for out in self.engine.step():
                 res = results[out.request_id]
@@ -292,4 +348,3 @@ class LLM:
                     res.finish_reason, res.num_cached_tokens, res.metrics = (
                         out.finish_reason, out.num_cached_tokens, out.metrics)
                     done[out.request_id] = res
-        return [done[rid] for rid in ids]

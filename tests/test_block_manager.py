@@ -77,7 +77,7 @@ def test_never_a_full_hit():
 def test_hash_collision_is_caught_by_token_compare(monkeypatch):
     import engine.block_manager as mod
 
-    monkeypatch.setattr(mod, "block_hash", lambda parent, tokens: 42)  # everything collides
+    monkeypatch.setattr(mod, "block_digest", lambda parent, tokens: b"42")  # everything collides
     bm = BlockManager(8, 4)
     a = seq(range(5), sid=0)
     compute(bm, a, 5)
