@@ -86,28 +86,30 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._too_large(send)
         chunks: list[bytes] = []
         size = 0
 
         async def read_all() -> dict[str, Any] | None:
+            """The whole body as one message; None if too large (read to its end and dropped, so the client
+            gets the 413 instead of a reset connection); a disconnect message if the client left."""
             nonlocal size
             while True:
                 message = await receive()
                 if message["type"] != "http.request":
-                    return message  # the client went away mid-body
-                chunks.append(message.get("body", b""))
-                size += len(chunks[-1])
-                if size > self.max_bytes:
-                    return None
+                    return message
+                size += len(message.get("body", b""))
+                if size <= self.max_bytes:
+                    chunks.append(message.get("body", b""))
                 if not message.get("more_body", False):
+                    if size > self.max_bytes:
+                        return None
                     return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         try:
             first = await asyncio.wait_for(read_all(), self.timeout_s)
         except asyncio.TimeoutError:
+            if size > self.max_bytes:
+                return await self._too_large(send)
             return await send_error(send, 408, f"the request body was not received within {self.timeout_s:g} s",
                                     "invalid_request_error", "request_timeout", [(b"connection", b"close")])
         if first is None:

@@ -33,9 +33,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(engine, limits: AdmissionLimits | None = None):
+def running_server(engine, limits: AdmissionLimits | None = None, **server_options):
     port = free_port()
-    app = create_app(lambda: engine, ServerConfig(MODEL, limits or AdmissionLimits()))
+    app = create_app(lambda: engine, ServerConfig(MODEL, limits or AdmissionLimits(), **server_options))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
