@@ -256,3 +256,15 @@ def test_a_huge_prompt_does_not_freeze_streams_or_health(make_engine):
         assert len(arrivals) >= 120 and max(gaps) < 3.0, f"stream stalled for {max(gaps):.2f} s"
         assert health and max(health) < 3.0, f"/health took {max(health):.2f} s"
         _wait_idle(state)
+
+
+def test_cli_refuses_a_public_address_without_a_key(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_API_KEY"}
+    out = subprocess.run([sys.executable, "-m", "server", "serve", "--host", "0.0.0.0", "--port", "1"],
+                         capture_output=True, text=True, timeout=120, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode != 0 and "refusing to serve on 0.0.0.0 without an API key" in out.stderr
