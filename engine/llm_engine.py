@@ -161,12 +161,12 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len or max_tokens < 1:  # before the O(n) scan below
+            raise ContextLengthExceededError(n, max(max_tokens, 1), self.max_model_len)
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + max_tokens > self.max_model_len or max_tokens < 1:
-            raise ContextLengthExceededError(n, max(max_tokens, 1), self.max_model_len)
         return max_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,

@@ -7,6 +7,7 @@ import logging
 import os
 import secrets
 import shutil
+from collections import deque
 from typing import Any
 
 from engine.errors import ModelLoadError
@@ -180,7 +181,10 @@ class StopStringMatcher:
                 queue.append(child)
         self._state = 0
         self._ready: list[str] = []  # text safe to send
-        self._held = ""  # tail that may still grow into a stop string (== the automaton state's depth)
+        # the tail that may still grow into a stop string (its length == the automaton state's depth), as
+        # pieces: each character is appended once and released once, whatever the stop strings' length
+        self._held: deque[str] = deque()
+        self._held_len = 0
         self.stopped = False
 
     def feed(self, delta: str) -> None:
@@ -194,22 +198,39 @@ class StopStringMatcher:
             while state and ch not in nxt[state]:
                 state = fail[state]
             state = nxt[state].get(ch, 0)
-            if match[state]:
-                text = self._held + delta[:i + 1]
-                self._ready.append(text[:len(text) - match[state]])
-                self._held, self.stopped = "", True
+            if match[state]:  # cut the stop string (the held tail plus this delta's first i + 1 characters)
+                self._hold(delta[:i + 1])
+                self._release(self._held_len - match[state])
+                self._held.clear()
+                self._held_len, self.stopped = 0, True
                 return
         self._state = state
-        text = self._held + delta
-        keep = self._depth[state]
-        self._ready.append(text[:len(text) - keep])
-        self._held = text[len(text) - keep:] if keep else ""
+        self._hold(delta)
+        self._release(self._held_len - self._depth[state])
+
+    def _hold(self, text: str) -> None:
+        self._held.append(text)
+        self._held_len += len(text)
+
+    def _release(self, n: int) -> None:
+        """Move the first n held characters to the ready text."""
+        self._held_len -= n
+        while n > 0:
+            piece = self._held.popleft()
+            if len(piece) > n:
+                self._held.appendleft(piece[n:])
+                piece = piece[:n]
+            self._ready.append(piece)
+            n -= len(piece)
+
+    @property
+    def held(self) -> str:
+        return "".join(self._held)
 
     def take(self, final: bool) -> str:
         """The next piece of text to send; everything that is left (held-back tail included) when `final`."""
-        if final and self._held:
-            self._ready.append(self._held)
-            self._held = ""
+        if final:
+            self._release(self._held_len)
         piece = "".join(self._ready)
         self._ready.clear()
         return piece

@@ -268,3 +268,40 @@ def test_cli_refuses_a_public_address_without_a_key(tmp_path):
                          capture_output=True, text=True, timeout=120, env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode != 0 and "refusing to serve on 0.0.0.0 without an API key" in out.stderr
+
+
+def test_completion_logprobs_offsets_and_stop_cut(server, smollm):
+    base, _ = server
+    body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 8, "temperature": 0, "logprobs": 1, "ignore_eos": True}
+    free = httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=60).json()["choices"][0]
+    # text_offset counts the echoed prompt
+    echoed = httpx.post(f"{base}/v1/completions", json={**body, "echo": True}, headers=AUTH,
+                        timeout=60).json()["choices"][0]
+    assert echoed["logprobs"]["text_offset"][0] == len(body["prompt"])
+    lp = echoed["logprobs"]
+    assert all(echoed["text"][o:o + len(t)] == t for o, t in zip(lp["text_offset"], lp["tokens"]))
+    # the tokens wholly cut off by a stop string have no logprobs
+    stop = free["text"][5:8]
+    cut = httpx.post(f"{base}/v1/completions", json={**body, "stop": [stop]}, headers=AUTH,
+                     timeout=60).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["text"] == free["text"][:free["text"].index(stop)]
+    kept = cut["logprobs"]["tokens"]
+    assert cut["text"] and "".join(kept).startswith(cut["text"])
+    assert len("".join(kept[:-1])) < len(cut["text"])  # the last kept token still starts inside the text
+    assert len(kept) < len(free["logprobs"]["tokens"])
+
+
+def test_500_carries_no_exception_text(make_engine):
+    engine = make_engine(num_blocks=64)
+    with running_server(engine) as (base, state):
+        def boom(messages):
+            raise RuntimeError("secret internals /etc/passwd")
+
+        engine.encode_chat = boom
+        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": MSG}, timeout=60)
+        err = _error(r, 500)
+        assert "secret" not in r.text and err["code"] == "internal_error"
+        assert state.engine.num_waiting == 0  # the admission reservation was given back
+        ok = httpx.post(f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200
+        _wait_idle(state)

@@ -117,7 +117,7 @@ def test_stop_automaton_matches_brute_force(stops, deltas):
         m.feed(d)
         sent += m.take(final=False)
         if not m.stopped:  # held back: only a tail that may still become a stop string
-            assert len(m._held) < longest and any(s.startswith(m._held) for s in stops) or not m._held
+            assert len(m.held) < longest and any(s.startswith(m.held) for s in stops) or not m.held
     sent += m.take(final=True)
     assert (sent, m.stopped) == _reference_stop(stops, deltas)
 
@@ -131,7 +131,7 @@ def test_stop_matcher_state_stays_bounded():
     for _ in range(30_000 // 5):
         m.feed("x" * 4 + " ")
         sent += len(m.take(final=False))
-        assert len(m._held) <= 255
+        assert len(m.held) <= 255
     assert not m.stopped and sent == 30_000
     assert len(m._next) <= sum(map(len, stops)) + 1
     m.feed("x" * 255 + "y")
