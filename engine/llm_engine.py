@@ -7,6 +7,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
@@ -67,6 +68,11 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     stop: StopStringMatcher
     sample: SampleRequest
+    # A token's logprob goes out with its text: held while the stop matcher holds the text back, dropped
+    # if a stop string cuts it off. Entries: (offset of the token's text in the output, logprob).
+    held_logprobs: deque[tuple[int, TokenLogprob]] = field(default_factory=deque)
+    text_fed: int = 0  # characters of output text given to the stop matcher
+    text_sent: int = 0  # of which released
 
 
 class LLMEngine:
@@ -245,14 +251,19 @@ class LLMEngine:
     def _emit(self, req: _Request, logprob: TokenLogprob | None) -> RequestOutput:
         seq = req.seq
         token = seq.token_ids[-1]
-        req.stop.feed(req.detokenizer.push([token]))
+        delta = req.detokenizer.push([token])
+        if logprob is not None:
+            req.held_logprobs.append((req.text_fed, logprob))
+        req.text_fed += len(delta)
+        req.stop.feed(delta)
         if req.stop.stopped:
             if not seq.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
             else:  # the stop string completed on the last allowed token: it stopped, it was not cut short
                 seq.status = SequenceStatus.FINISHED_STOPPED
         text = req.stop.take(final=seq.is_finished)
-        lps = [logprob] if logprob is not None else []
+        req.text_sent += len(text)
+        lps = self._release_logprobs(req, everything=seq.is_finished and not req.stop.stopped)
         if seq.is_finished:
             return self._finish_output(req, [token], text, lps)
         return self._output(req, [token], text, lps)
@@ -262,7 +273,16 @@ class LLMEngine:
             self._requests.pop(req.seq.request_id, None)
         if req.seq.status is SequenceStatus.FINISHED_ABORTED:
             text += req.stop.take(final=True)
+            lps = lps + self._release_logprobs(req, everything=True)
+        req.held_logprobs.clear()  # what is left was cut off by a stop string
         return self._output(req, tokens, text, lps)
+
+    @staticmethod
+    def _release_logprobs(req: _Request, everything: bool) -> list[TokenLogprob]:
+        held, out = req.held_logprobs, []
+        while held and (everything or held[0][0] < req.text_sent):
+            out.append(held.popleft()[1])
+        return out
 
     @staticmethod
     def _output(req: _Request, tokens: list[int], text: str, lps: list) -> RequestOutput:

@@ -212,7 +212,7 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
         choices = [{
             "index": i,
             "message": {"role": "assistant", "content": o["text"]},
-            "logprobs": {"content": _chat_logprobs(tokenizer, _uncut(tokenizer, o))} if body.logprobs else None,
+            "logprobs": {"content": _chat_logprobs(tokenizer, o["logprobs"])} if body.logprobs else None,
             "finish_reason": o["finish_reason"],
         } for i, o in enumerate(outs)]
         return {"id": rid, "object": "chat.completion", "created": created, "model": config.served_model_name,
@@ -249,7 +249,7 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
         outs = await _collect(streams, raw, state)
         choices = [{
             "index": i, "text": echo[i] + o["text"],
-            "logprobs": (_completion_logprobs(tokenizer, _uncut(tokenizer, o), len(echo[i]))
+            "logprobs": (_completion_logprobs(tokenizer, o["logprobs"], len(echo[i]))
                          if body.logprobs is not None else None),
             "finish_reason": o["finish_reason"],
         } for i, o in enumerate(outs)]
@@ -514,19 +514,6 @@ def _chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
 
     return [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]} for x in lps]
-
-
-def _uncut(tokenizer, out: dict[str, Any]) -> list[TokenLogprob]:
-    """The logprobs of the tokens whose text was returned: those wholly cut off by a stop string go."""
-    lps, limit, pos = out["logprobs"], len(out["text"]), 0
-    if out["finish_reason"] != "stop" or tokenizer is None:
-        return lps
-    for j, x in enumerate(lps):
-        piece = tokenizer.decode([x.token_id], skip_special_tokens=True)
-        if piece and pos >= limit:
-            return lps[:j]
-        pos += len(piece)
-    return lps
 
 
 def _completion_logprobs(tokenizer, lps: list[TokenLogprob], start: int = 0) -> dict[str, Any]:

@@ -321,3 +321,24 @@ def test_add_request_from_many_threads(make_engine):
     assert engine.num_waiting == 0
     engine.block_manager.check_integrity([])
 
+
+
+def test_logprobs_go_out_with_their_text_and_a_stop_cut_drops_them(make_engine, smollm):
+    engine = make_engine(num_blocks=64)
+    engine.add_request("free", "1, 2, 3, 4, 5,", greedy(10, logprobs=1))
+    free = run_to_completion(engine)["free"]
+    assert [x.token_id for x in free["logprobs"]] == free["tokens"]
+    stop = free["text"][5:8]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop=[stop], logprobs=1)
+    engine.add_request("cut", "1, 2, 3, 4, 5,", params)
+    sent_text, sent_lps = "", []
+    while engine.has_unfinished():
+        for out in engine.step():
+            sent_text += out.text
+            sent_lps += out.logprobs
+            # never a logprob for a token whose text has not gone out yet
+            pieces = [smollm.tokenizer.decode([x.token_id]) for x in sent_lps]
+            assert len("".join(pieces[:-1])) < len(sent_text) or len(sent_lps) <= 1
+    assert sent_text == free["text"][:free["text"].index(stop)]
+    assert [x.token_id for x in sent_lps] == free["tokens"][:len(sent_lps)] and len(sent_lps) < 10
+    assert len("".join(smollm.tokenizer.decode([x.token_id]) for x in sent_lps[:-1])) < len(sent_text)
