@@ -31,17 +31,23 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
 
 
 def _has_surrogate(value: Any) -> bool:
-    """Whether a JSON value holds a string that is not valid Unicode (a lone UTF-16 surrogate)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_surrogate(v) for v in value)
+    """Whether a JSON value holds a string that is not valid Unicode (a lone UTF-16 surrogate).
+
+    Iterative: a deeply nested body must not exhaust the interpreter's stack.
+    """
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
     return False
 
 

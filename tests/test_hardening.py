@@ -71,6 +71,7 @@ CASES = [
     ("body over the limit", "/v1/completions", {"prompt": "word " * 500_000}, 413, None),
     ("prompt that cannot fit, refused untokenized", "/v1/completions", {"prompt": "w" * 1_500_000}, 400, "prompt"),
     ("deeply nested JSON", "/v1/completions", '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, None),
+    ("nested prompt", "/v1/completions", '{"prompt": ' + "[" * 900 + "]" * 900 + "}", 400, "prompt"),
 ]
 
 
@@ -95,6 +96,9 @@ def test_inert_values_of_unsupported_fields_are_accepted(server):
     assert httpx.post(f"{base}/v1/chat/completions", json=body, headers=AUTH, timeout=60).status_code == 200
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "best_of": 1, "suffix": ""},
                    headers=AUTH, timeout=60)
+    assert r.status_code == 200
+    deep = '{"prompt": "hi", "max_tokens": 2, "metadata": ' + "[" * 900 + "]" * 900 + "}"  # ignored, not a 500
+    r = httpx.post(f"{base}/v1/completions", content=deep, headers={**AUTH, "content-type": "application/json"})
     assert r.status_code == 200
 
 
