@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import opt
+from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -144,6 +145,14 @@ class AsyncEngine:
     def release(self) -> None:
         """Give back a reservation that did not turn into a request (bad input, etc.)."""
         self._reserved -= 1
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The engine's checks, plus the admission bounds a request could never pass (400, not 429)."""
+        self.engine.validate(prompt_token_ids, params)
+        limit = self.limits.max_queued_tokens
+        if limit is not None and len(prompt_token_ids) > limit:
+            raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens, more than the {limit} "
+                                      "allowed to wait (--max-queued-tokens)", "prompt")
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Hand a reserved, validated request to the engine. The caller must `close()` the stream.

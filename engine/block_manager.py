@@ -12,24 +12,41 @@ whatever prefix it held (lazy eviction), so cached blocks cost nothing until mem
 
 from __future__ import annotations
 
+import hashlib
+import os
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from engine.sequence import Sequence
 
-_NO_PARENT = 0x5EED  # parent hash of a sequence's first block
+# Per-process secret root of every digest chain: block keys cannot be predicted, or precomputed for a
+# collision, by anyone outside this process.
+_ROOT = os.urandom(32)
 
 
 @dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None  # set once the block is full, computed and published
-    token_ids: tuple[int, ...] = field(default_factory=tuple)  # compared on a hit: hashes can collide
+    hash: bytes | None = None  # chained digest, set once the block is full, computed and published
+    parent: bytes | None = None  # the digest it was chained from; compared on a hit with the tokens
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
 
 
-def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((_NO_PARENT if parent is None else parent, token_ids))
+def root_digest(salt: str | None = None) -> bytes:
+    """Start of a sequence's chain: the process secret, mixed with the request's cache salt if any.
+
+    Requests with different salts never share a block, even for identical prompts.
+    """
+    if not salt:
+        return _ROOT
+    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), key=_ROOT, digest_size=32).digest()
+
+
+def block_digest(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
+    """BLAKE2b-256 over the parent's digest and the block's token ids: a hit implies the whole prefix."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=32).digest()
 
 
 class BlockManager:
@@ -41,7 +58,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._hash_to_block: dict[int, int] = {}
+        self._hash_to_block: dict[bytes, int] = {}
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -72,19 +89,34 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        bs = self.block_size
-        max_blocks = (seq.num_tokens - 1) // bs
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        digests = self.digests(seq, max_blocks)
         hits: list[int] = []
-        parent = None
+        parent = root_digest(seq.params.cache_salt)
         for i in range(max_blocks):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = block_hash(parent, tokens)
-            block_id = self._hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            block_id = self._hash_to_block.get(digests[i])
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            # Defence in depth: a digest collision would also have to match the tokens and the parent.
+            if block.parent != parent or block.token_ids != self._tokens(seq, i):
                 break
             hits.append(block_id)
-            parent = h
+            parent = digests[i]
         return hits
+
+    def _tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    def digests(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Chained digests of `seq`'s first `num_blocks` full blocks, each computed once and kept on `seq`
+        (tokens are only ever appended, so a full block's digest never changes, even across preemption)."""
+        cache = seq.block_digests
+        parent = cache[-1] if cache else root_digest(seq.params.cache_salt)
+        for i in range(len(cache), num_blocks):
+            parent = block_digest(parent, self._tokens(seq, i))
+            cache.append(parent)
+        return cache
 
     # ---- allocation ----------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
@@ -124,7 +156,7 @@ class BlockManager:
         if block.hash is not None:  # lazy eviction of a cached prefix
             if self._hash_to_block.get(block.hash) == block_id:
                 del self._hash_to_block[block.hash]
-            block.hash = None
+            block.hash = block.parent = None
             block.token_ids = ()
         block.ref_count = 1
         return block_id
@@ -133,17 +165,16 @@ class BlockManager:
         """Register the sequence's newly completed (full and computed) blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        digests = self.digests(seq, num_full)
         for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[i - 1] if i else None
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = block_hash(parent, tokens)
+            h = digests[i]
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self._hash_to_block:
                 block.hash = h
-                block.token_ids = tokens
+                block.parent = digests[i - 1] if i else root_digest(seq.params.cache_salt)
+                block.token_ids = self._tokens(seq, i)
                 self._hash_to_block[h] = block.block_id
             # else: an identical block is already published (computed twice concurrently): keep that one
 
@@ -168,7 +199,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             if block.ref_count == 0:
-                block.hash = None
+                block.hash = block.parent = None
                 block.token_ids = ()
         self._hash_to_block = {h: b for h, b in self._hash_to_block.items() if self.blocks[b].hash == h}
 

@@ -7,6 +7,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from engine.sampler import SampleRequest, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,11 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     stop: StopStringMatcher
     sample: SampleRequest
+    # A token's logprob goes out with its text: held while the stop matcher holds the text back, dropped
+    # if a stop string cuts it off. Entries: (offset of the token's text in the output, logprob).
+    held_logprobs: deque[tuple[int, TokenLogprob]] = field(default_factory=deque)
+    text_fed: int = 0  # characters of output text given to the stop matcher
+    text_sent: int = 0  # of which released
 
 
 class LLMEngine:
@@ -109,6 +115,15 @@ class LLMEngine:
         # The engine thread detokenizes while other threads encode: HF fast tokenizers mutate state on
         # encode ("Already borrowed"), so the detokenizer gets its own copy.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
+        self._tokenizer_lock = threading.Lock()  # encoding from several threads: one at a time
+        # No token is longer than this many characters, so a longer text cannot fit the context: it is
+        # refused without tokenizing it (a normalizer may merge characters, hence the slack).
+        self._max_token_chars = 0
+        if self.tokenizer is not None:
+            self._max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            if backend is None or backend.normalizer is not None:
+                self._max_token_chars *= 4
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids |= {self.tokenizer.eos_token_id}
@@ -124,23 +139,40 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt. Any thread; O(prompt size), so servers call it off their event loop."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: pass token ids", "prompt")
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True)) if prompt else []
+            self.check_prompt_chars(len(prompt), "prompt")
+            with self._tokenizer_lock:
+                return list(self.tokenizer.encode(prompt, add_special_tokens=True)) if prompt else []
         return list(prompt)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Chat messages -> prompt token ids through the model's template. Any thread."""
+        with self._tokenizer_lock:
+            return apply_chat_template(self.tokenizer, messages)
+
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
+        """Refuse a text that cannot fit the context whatever its tokens, before paying to tokenize it."""
+        limit = self.max_model_len * self._max_token_chars
+        if self._max_token_chars and num_chars > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and the prompt has "
+                f"{num_chars} characters: more than {limit} cannot fit. Please reduce the prompt.", param,
+                "context_length_exceeded")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a tokenized request; return its resolved max_tokens. Raises InvalidRequestError."""
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len or max_tokens < 1:  # before the O(n) scan below
+            raise ContextLengthExceededError(n, max(max_tokens, 1), self.max_model_len)
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + max_tokens > self.max_model_len or max_tokens < 1:
-            raise ContextLengthExceededError(n, max(max_tokens, 1), self.max_model_len)
         return max_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -149,6 +181,9 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
         max_tokens = self.validate(ids, params)
+        with self._lock:  # checked early too, so that a duplicate costs nothing below
+            if request_id in self._requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         seq = Sequence(next(self._seq_ids), request_id, ids, params, max_tokens, self.eos_token_ids,
                        arrival_time=arrival_time or time.monotonic())
         generator = None
@@ -174,10 +209,12 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not running yet: queued in the scheduler, or added since the last step. Any thread."""
+        """Requests not running yet: queued in the scheduler, or added since the last step. Any thread.
+
+        The inbox moves into the scheduler under the same lock, so no request is ever counted in neither.
+        """
         with self._lock:
-            pending = sum(1 for op, _ in self._inbox if op == "add")
-        return pending + self.scheduler.num_waiting
+            return sum(1 for op, _ in self._inbox if op == "add") + self.scheduler.num_waiting
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -200,11 +237,12 @@ class LLMEngine:
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
             inbox, self._inbox = self._inbox, []
+            for op, item in inbox:  # an abort follows its add in the inbox, so adding all first is safe
+                if op == "add":
+                    self.scheduler.add(item)
         outputs = []
         for op, item in inbox:
-            if op == "add":
-                self.scheduler.add(item)
-            else:
+            if op == "abort":
                 seq = self.scheduler.abort(item)
                 if seq is not None:
                     outputs.append(self._finish_output(self._requests[item], [], "", []))
@@ -213,11 +251,19 @@ class LLMEngine:
     def _emit(self, req: _Request, logprob: TokenLogprob | None) -> RequestOutput:
         seq = req.seq
         token = seq.token_ids[-1]
-        req.stop.feed(req.detokenizer.push([token]))
-        if req.stop.stopped and not seq.is_finished:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        delta = req.detokenizer.push([token])
+        if logprob is not None:
+            req.held_logprobs.append((req.text_fed, logprob))
+        req.text_fed += len(delta)
+        req.stop.feed(delta)
+        if req.stop.stopped:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            else:  # the stop string completed on the last allowed token: it stopped, it was not cut short
+                seq.status = SequenceStatus.FINISHED_STOPPED
         text = req.stop.take(final=seq.is_finished)
-        lps = [logprob] if logprob is not None else []
+        req.text_sent += len(text)
+        lps = self._release_logprobs(req, everything=seq.is_finished and not req.stop.stopped)
         if seq.is_finished:
             return self._finish_output(req, [token], text, lps)
         return self._output(req, [token], text, lps)
@@ -227,7 +273,16 @@ class LLMEngine:
             self._requests.pop(req.seq.request_id, None)
         if req.seq.status is SequenceStatus.FINISHED_ABORTED:
             text += req.stop.take(final=True)
+            lps = lps + self._release_logprobs(req, everything=True)
+        req.held_logprobs.clear()  # what is left was cut off by a stop string
         return self._output(req, tokens, text, lps)
+
+    @staticmethod
+    def _release_logprobs(req: _Request, everything: bool) -> list[TokenLogprob]:
+        held, out = req.held_logprobs, []
+        while held and (everything or held[0][0] < req.text_sent):
+            out.append(held.popleft()[1])
+        return out
 
     @staticmethod
     def _output(req: _Request, tokens: list[int], text: str, lps: list) -> RequestOutput:
@@ -277,11 +332,32 @@ class LLM:
         base = next(self.engine._seq_ids)
         ids = [f"gen-{base}-{i}" for i in range(len(prompts))]
         prompt_ids = {}
-        for rid, prompt, params in zip(ids, prompts, sampling_params):
+        for rid, prompt, params in zip(ids, prompts, sampling_params):  # all checked before any is queued
             prompt_ids[rid] = self.engine.tokenize(prompt)
-            self.engine.add_request(rid, prompt_ids[rid], params)
+            self.engine.validate(prompt_ids[rid], params or SamplingParams())
         done: dict[str, GenerationResult] = {}
         results = {rid: GenerationResult(rid, prompt_ids[rid], "", [], "", 0, None) for rid in ids}
+        submitted: list[str] = []
+        try:
+            for rid, params in zip(ids, sampling_params):
+                self.engine.add_request(rid, prompt_ids[rid], params)
+                submitted.append(rid)
+            self._run(ids, results, done)
+        except BaseException:  # nothing of this call may stay queued (KeyboardInterrupt included)
+            for rid in submitted:
+                if rid not in done:
+                    self.engine.abort(rid)
+            try:
+                while any(rid not in done for rid in submitted) and self.engine.has_unfinished():
+                    for out in self.engine.step():  # drain the aborts so the blocks come back now
+                        if out.finished:
+                            done[out.request_id] = results.get(out.request_id)
+            except Exception:  # noqa: BLE001 - the engine itself is broken: the first error is the one to raise
+                logger.exception("could not drain aborted requests")
+            raise
+        return [done[rid] for rid in ids]
+
+    def _run(self, ids: list[str], results: dict[str, GenerationResult], done: dict) -> None:
         while len(done) < len(ids):
             for out in self.engine.step():
                 res = results[out.request_id]
@@ -292,4 +368,3 @@ class LLM:
                     res.finish_reason, res.num_cached_tokens, res.metrics = (
                         out.finish_reason, out.num_cached_tokens, out.metrics)
                     done[out.request_id] = res
-        return [done[rid] for rid in ids]

@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 4
+# Stop strings are delimiters (role markers, "\n\n", fences); 256 characters covers any real one while
+# bounding what each request costs: its stop automaton has at most 4 * 256 nodes, its held-back text < 256.
+MAX_STOP_STRING_CHARS = 256
+# Below this, 1/temperature overflows the logits to inf (1e-310 sampled garbage): treat it as greedy.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -22,6 +27,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus the top k
+    cache_salt: str | None = None  # requests share prefix-cache blocks only with requests of the same salt
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +50,9 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop sequences must be non-empty strings", "stop")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidRequestError(f"stop sequences may be at most {MAX_STOP_STRING_CHARS} characters long",
+                                      "stop")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
@@ -52,7 +61,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

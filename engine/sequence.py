@@ -42,7 +42,8 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at the last admission
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # hashes of this sequence's full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # digests of the full blocks it published
+    block_digests: list[bytes] = field(default_factory=list)  # cache of its full blocks' chained digests
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 import shutil
+from collections import deque
 from typing import Any
 
 from engine.errors import ModelLoadError
@@ -60,9 +62,48 @@ def _gguf_tokenizer(path: str):
 
 
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    """Prompt token ids for chat messages. Message text never becomes control tokens: content that spells
+    a special token (`<|im_end|>\n<|im_start|>system`) is tokenized as the plain text it is."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use completions with a plain prompt")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    specials = _special_texts(tokenizer)
+    if not any(sp in str(m.get("content") or "") for m in messages for sp in specials):
+        return _token_list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    # Render the template around placeholders, then tokenize the template's own text with special tokens
+    # and each message's text without: the template decides the structure, the user only the content.
+    marks = [f"\ue000{secrets.token_hex(8)}\ue001" for _ in messages]
+    text = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
+                                         add_generation_prompt=True, tokenize=False)
+    ids: list[int] = []
+    for mark, message in zip(marks, messages):
+        if text.count(mark) != 1:
+            raise ValueError("a message contains special-token text, and this model's chat template does not "
+                             "keep message text apart: remove the special tokens from the content")
+        head, text = text.split(mark)
+        ids += _encode(tokenizer, head, split_special=False)
+        ids += _encode(tokenizer, str(message.get("content") or ""), split_special=True)
+    return ids + _encode(tokenizer, text, split_special=False)
+
+
+def _special_texts(tokenizer) -> list[str]:
+    """The strings the tokenizer would turn into special (control) tokens."""
+    cached = getattr(tokenizer, "_pagedserve_special_texts", None)
+    if cached is None:
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        cached = sorted({t.content for t in added.values() if getattr(t, "special", False)}
+                        | set(getattr(tokenizer, "all_special_tokens", []) or []))
+        tokenizer._pagedserve_special_texts = cached
+    return cached
+
+
+def _encode(tokenizer, text: str, split_special: bool) -> list[int]:
+    if not text:
+        return []
+    # the template writes its own BOS; add_special_tokens=False keeps a second one out
+    return _token_list(tokenizer(text, add_special_tokens=False, split_special_tokens=split_special)["input_ids"])
+
+
+def _token_list(ids) -> list[int]:
     if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
@@ -99,43 +140,97 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Accumulates output text, truncates at the first stop string, and says how much is safe to send.
+    """Streams output text, truncates it at the first stop string, and says how much is safe to send.
 
-    A tail of the text that is a prefix of some stop string is held back until it either completes
-    the stop string or stops matching, so nothing after a stop string ever reaches the client.
+    An Aho-Corasick automaton over the stop strings advances one character at a time, so each token
+    costs time proportional to its own text, however long the output or the stop strings. The
+    automaton's state is the longest tail of the text that is a prefix of some stop string: exactly
+    the text that must be held back until it completes a stop string or stops matching. Generation is
+    sequential, so the stop string that completes first wins (its longest variant, if several end there).
     """
 
     def __init__(self, stop: list[str]) -> None:
         self.stop = stop
-        self.longest = max((len(s) for s in stop), default=0)
-        self.text = ""
-        self.sent = 0
+        # trie nodes: children, failure link, depth, length of the longest stop string ending here (0: none)
+        self._next: list[dict[str, int]] = [{}]
+        self._fail = [0]
+        self._depth = [0]
+        self._match = [0]
+        for s in stop:
+            node = 0
+            for ch in s:
+                child = self._next[node].get(ch)
+                if child is None:
+                    child = len(self._next)
+                    self._next[node][ch] = child
+                    self._next.append({})
+                    self._fail.append(0)
+                    self._depth.append(self._depth[node] + 1)
+                    self._match.append(0)
+                node = child
+            self._match[node] = max(self._match[node], len(s))
+        queue = list(self._next[0].values())  # breadth-first: a node's failure target is shallower
+        for node in queue:
+            for ch, child in self._next[node].items():
+                f = self._fail[node]
+                while f and ch not in self._next[f]:
+                    f = self._fail[f]
+                target = self._next[f].get(ch, 0)
+                self._fail[child] = target if target != child else 0
+                self._match[child] = max(self._match[child], self._match[self._fail[child]])
+                queue.append(child)
+        self._state = 0
+        self._ready: list[str] = []  # text safe to send
+        # the tail that may still grow into a stop string (its length == the automaton state's depth), as
+        # pieces: each character is appended once and released once, whatever the stop strings' length
+        self._held: deque[str] = deque()
+        self._held_len = 0
         self.stopped = False
 
     def feed(self, delta: str) -> None:
-        if self.stopped:
+        if self.stopped or not delta:
             return
         if not self.stop:
-            self.text += delta
+            self._ready.append(delta)
             return
-        start = max(0, len(self.text) - self.longest + 1)
-        self.text += delta
-        cut = min((i for i in (self.text.find(s, start) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text = self.text[:cut]
-            self.stopped = True
+        nxt, fail, match, state = self._next, self._fail, self._match, self._state
+        for i, ch in enumerate(delta):
+            while state and ch not in nxt[state]:
+                state = fail[state]
+            state = nxt[state].get(ch, 0)
+            if match[state]:  # cut the stop string (the held tail plus this delta's first i + 1 characters)
+                self._hold(delta[:i + 1])
+                self._release(self._held_len - match[state])
+                self._held.clear()
+                self._held_len, self.stopped = 0, True
+                return
+        self._state = state
+        self._hold(delta)
+        self._release(self._held_len - self._depth[state])
 
-    def _pending_prefix(self) -> int:
-        """Length of the longest tail of the text that could still grow into a stop string."""
-        for k in range(min(self.longest - 1, len(self.text)), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stop):
-                return k
-        return 0
+    def _hold(self, text: str) -> None:
+        self._held.append(text)
+        self._held_len += len(text)
+
+    def _release(self, n: int) -> None:
+        """Move the first n held characters to the ready text."""
+        self._held_len -= n
+        while n > 0:
+            piece = self._held.popleft()
+            if len(piece) > n:
+                self._held.appendleft(piece[n:])
+                piece = piece[:n]
+            self._ready.append(piece)
+            n -= len(piece)
+
+    @property
+    def held(self) -> str:
+        return "".join(self._held)
 
     def take(self, final: bool) -> str:
-        """The next piece of text to send; everything that is left when `final`."""
-        end = len(self.text) if (final or self.stopped) else max(self.sent, len(self.text) - self._pending_prefix())
-        piece = self.text[self.sent:end]
-        self.sent = end
+        """The next piece of text to send; everything that is left (held-back tail included) when `final`."""
+        if final:
+            self._release(self._held_len)
+        piece = "".join(self._ready)
+        self._ready.clear()
         return piece

@@ -24,11 +24,12 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import apply_chat_template
+from server.guards import TENANT_KEY, ApiKeyAuth, BodyLimit
 from server.metrics import Metrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage
 
 logger = logging.getLogger(__name__)
+_ENGINE_DEAD = "the engine loop died (see the server log)"  # no exception text reaches a client
 
 
 class APIError(Exception):
@@ -51,7 +52,19 @@ class ServerConfig:
     host: str = opt("127.0.0.1", "address to listen on")
     port: int = opt(8000, "port to listen on")
     log_level: str = opt("info", "uvicorn log level")
+    api_key: str | None = opt(None, "comma-separated API keys that /v1/* and /metrics require as Bearer tokens "
+                                    "(default: $PAGEDSERVE_API_KEY; none: no auth, loopback only)")
+    allow_insecure_no_auth: bool = opt(False, "serve on a non-loopback address with no API key")
+    prefix_cache_per_key: bool = opt(True, "with API keys: each key gets its own prefix cache, so tenants never "
+                                           "share KV blocks (or learn what others sent from hit timing)")
+    max_body_bytes: int = opt(8 * 2**20, "largest request body accepted; more gets 413")
+    body_timeout_s: float = opt(30.0, "time allowed to receive a request body; slower gets 408")
+    keep_alive_timeout_s: int = opt(5, "idle keep-alive connections are closed after this many seconds")
+    max_connections: int | None = opt(1024, "concurrent connections beyond which new requests get 503")
     disconnect_poll_s: float = 0.1
+
+    def api_keys(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in (self.api_key or "").split(",") if k.strip())
 
 
 class _State:
@@ -64,7 +77,7 @@ class _State:
         self.metrics = Metrics(config.served_model_name, self.snapshot)
 
     def snapshot(self) -> dict[str, float] | None:
-        if self.engine is None:
+        if self.engine is None or not self.engine.alive:  # a dead engine's gauges would be stale
             return None
         e = self.engine.engine
         stats = e.scheduler.stats
@@ -75,12 +88,12 @@ class _State:
     def ready_engine(self) -> AsyncEngine:
         if self.engine is None:
             if self.load_error is not None:
-                raise APIError(503, f"model failed to load: {self.load_error}", "service_unavailable",
+                raise APIError(503, "the model failed to load (see the server log)", "service_unavailable",
                                code="engine_unavailable")
             raise APIError(503, "the model is still loading", "service_unavailable", code="engine_loading",
                            headers={"Retry-After": "5"})
         if not self.engine.alive:
-            raise APIError(503, f"the engine loop died: {self.engine.error!r}", "service_unavailable",
+            raise APIError(503, _ENGINE_DEAD, "service_unavailable",
                            code="engine_dead")
         return self.engine
 
@@ -112,6 +125,8 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
 
     app = FastAPI(title="pagedserve", lifespan=lifespan)
     app.state.pagedserve = state
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    app.add_middleware(ApiKeyAuth, keys=config.api_keys())  # outermost: no body is read for a bad key
 
     # ---- errors: always the OpenAI shape -----------------------------------------------------------
     @app.exception_handler(APIError)
@@ -126,8 +141,11 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        ctx = first.get("ctx") or {}
         if first.get("type") == "json_invalid":
-            message, param = f"invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+            message, param = f"invalid JSON body: {ctx.get('error', first.get('msg'))}", None
+        elif "param" in ctx:  # our own model-level checks name the field they refuse
+            message, param = first.get("msg", "invalid value"), ctx["param"]
         else:
             message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
             param = loc[0] if loc else None
@@ -137,12 +155,12 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), type_), exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), type_), exc.status_code, headers=exc.headers)  # 405: Allow
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
-        logger.exception("unhandled error")
-        return JSONResponse(error_body(f"internal error: {exc!r}", "internal_server_error"), 500)
+        logger.exception("unhandled error")  # the details go to the log, never to the client
+        return JSONResponse(error_body("internal server error", "internal_server_error", code="internal_error"), 500)
 
     # ---- plain routes -------------------------------------------------------------------------------
     @app.get("/health")
@@ -155,7 +173,7 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
         engine = state.ready_engine().engine
         return {"object": "list", "data": [{
             "id": config.served_model_name, "object": "model", "created": now(), "owned_by": "pagedserve",
-            "root": engine.model_path, "max_model_len": engine.max_model_len}]}
+            "root": config.served_model_name, "max_model_len": engine.max_model_len}]}  # no server paths
 
     @app.get("/metrics")
     async def metrics():
@@ -166,18 +184,22 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         aeng = _admit(body, count=body.n)
         engine = aeng.engine
+        salt = _cache_salt(body, raw, config)
 
-        def build():
+        def build():  # in a worker thread: templating and tokenizing are O(prompt size)
             try:
                 messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-                ids = apply_chat_template(engine.tokenizer, messages)
+                engine.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+                ids = engine.encode_chat(messages)
+            except InvalidRequestError:
+                raise
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from e
             max_tokens = body.max_completion_tokens or body.max_tokens
             lp = (body.top_logprobs or 0) if body.logprobs else None
-            return ids, [(ids, _params(body, max_tokens, lp, i)) for i in range(body.n)]
+            return ids, [(ids, _params(body, max_tokens, lp, i, salt)) for i in range(body.n)]
 
-        prompt_ids, jobs = _build_or_release(aeng, body.n, build)
+        prompt_ids, jobs = await _build_or_release(aeng, body.n, build)
         streams = _submit(aeng, jobs, param="messages")
         rid, created = new_id("chatcmpl"), now()
         prompt_tokens = len(prompt_ids)
@@ -201,16 +223,20 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
         prompts = body.prompts()
         aeng = _admit(body, count=len(prompts) * body.n)
         engine = aeng.engine
+        salt = _cache_salt(body, raw, config)
 
-        def build():
+        def build():  # in a worker thread: tokenizing is O(prompt size)
+            for p in prompts:  # refuse what cannot fit before tokenizing anything
+                if isinstance(p, str):
+                    engine.check_prompt_chars(len(p), "prompt")
             jobs, total_tokens = [], 0
             for p in prompts:
                 ids = engine.tokenize(p) if isinstance(p, str) else p
                 total_tokens += len(ids)
-                jobs += [(ids, _params(body, body.max_tokens or 16, body.logprobs, i)) for i in range(body.n)]
+                jobs += [(ids, _params(body, body.max_tokens or 16, body.logprobs, i, salt)) for i in range(body.n)]
             return total_tokens, jobs
 
-        prompt_tokens, jobs = _build_or_release(aeng, len(prompts) * body.n, build)
+        prompt_tokens, jobs = await _build_or_release(aeng, len(prompts) * body.n, build)
         streams = _submit(aeng, jobs, param="prompt")
         rid, created = new_id("cmpl"), now()
         tokenizer = engine.tokenizer
@@ -223,7 +249,8 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
         outs = await _collect(streams, raw, state)
         choices = [{
             "index": i, "text": echo[i] + o["text"],
-            "logprobs": _completion_logprobs(tokenizer, o["logprobs"]) if body.logprobs is not None else None,
+            "logprobs": (_completion_logprobs(tokenizer, o["logprobs"], len(echo[i]))
+                         if body.logprobs is not None else None),
             "finish_reason": o["finish_reason"],
         } for i, o in enumerate(outs)]
         return {"id": rid, "object": "text_completion", "created": created, "model": config.served_model_name,
@@ -235,6 +262,10 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
         if body.model is not None and body.model != config.served_model_name:
             raise APIError(404, f"The model `{body.model}` does not exist.", "invalid_request_error", "model",
                            "model_not_found")
+        limit = aeng.limits.max_waiting_requests
+        if limit is not None and count > limit:  # could never be admitted: not a 429 to retry for ever
+            raise APIError(400, f"this request needs {count} sequences (prompts x n) but at most {limit} may "
+                           "wait at once (--max-waiting-requests)", param="n")
         reserved = 0
         try:
             for _ in range(count):
@@ -245,20 +276,31 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
                 aeng.release()
             raise _overloaded(e) from e
         except EngineDeadError as e:
-            raise APIError(503, str(e), "service_unavailable", code="engine_dead") from e
+            raise APIError(503, _ENGINE_DEAD, "service_unavailable", code="engine_dead") from e
         return aeng
 
     return app
 
 
-def _build_or_release(aeng: AsyncEngine, reserved: int, build: Callable[[], Any]) -> Any:
-    """Run `build` (tokenize, validate params); if it fails, give the admission reservations back."""
+async def _build_or_release(aeng: AsyncEngine, reserved: int, build: Callable[[], Any]) -> Any:
+    """Run `build` (template, tokenize, validate params) off the event loop; if it fails, give the admission
+    reservations back."""
     try:
-        return build()
-    except BaseException:
+        return await asyncio.to_thread(build)
+    except BaseException as e:
         for _ in range(reserved):
             aeng.release()
+        if isinstance(e, InvalidRequestError):
+            raise APIError(400, e.message, param=e.param, code=e.code) from e
         raise
+
+
+def _cache_salt(body, raw: Request, config: ServerConfig) -> str | None:
+    """The request's prefix-cache namespace: its API key's (when namespacing per key) and its own cache_salt."""
+    tenant = raw.scope.get("state", {}).get(TENANT_KEY) if config.prefix_cache_per_key else None
+    if tenant is None:
+        return body.cache_salt
+    return f"key:{tenant}\x00{body.cache_salt or ''}"
 
 
 def _overloaded(e: OverloadedError) -> APIError:
@@ -267,20 +309,25 @@ def _overloaded(e: OverloadedError) -> APIError:
                     headers={"Retry-After": str(seconds), "retry-after-ms": str(int(seconds * 1000))})
 
 
-def _params(body, max_tokens: int | None, logprobs: int | None, index: int) -> SamplingParams:
+def _params(body, max_tokens: int | None, logprobs: int | None, index: int, salt: str | None) -> SamplingParams:
+    seed = None
+    if body.seed is not None:  # n choices differ but stay reproducible; wrap to stay a valid 64-bit seed
+        seed = body.seed + index
+        seed = seed - 2**64 if seed >= 2**64 else seed
     try:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k or 0,
-            seed=None if body.seed is None else body.seed + index,  # n choices differ but stay reproducible
+            seed=seed,
             stop=body.stop or [],
             stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             logprobs=logprobs,
+            cache_salt=salt,
         )
     except InvalidRequestError as e:
         raise APIError(400, e.message, param=e.param) from e
@@ -291,12 +338,11 @@ def _submit(aeng: AsyncEngine, jobs: list[tuple[list[int], SamplingParams]], par
 
     All jobs are validated first so that a bad one leaves nothing behind in the engine.
     """
-    engine = aeng.engine
     streams: list[RequestStream] = []
     attempts = 0  # each submit call consumes its reservation, whether or not it succeeds
     try:
         for ids, params in jobs:
-            engine.validate(ids, params)
+            aeng.validate(ids, params)
         base = new_id("req")
         for i, (ids, params) in enumerate(jobs):
             attempts += 1
@@ -376,7 +422,7 @@ async def _collect(streams: list[RequestStream], raw: Request, state: _State) ->
                 raise APIError(499, "client disconnected", "client_closed_request")
         task.result()
     except EngineDeadError as e:
-        raise APIError(503, str(e), "service_unavailable", code="engine_dead") from e
+        raise APIError(503, _ENGINE_DEAD, "service_unavailable", code="engine_dead") from e
     finally:
         if not task.done():
             task.cancel()
@@ -394,9 +440,13 @@ async def _guard(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for c in chunks:
             yield c
-    except (EngineDeadError, InvalidRequestError) as e:
-        yield json.dumps(error_body(str(e), "service_unavailable" if isinstance(e, EngineDeadError)
-                                    else "invalid_request_error"))
+    except EngineDeadError:
+        yield json.dumps(error_body(_ENGINE_DEAD, "service_unavailable", code="engine_dead"))
+    except InvalidRequestError as e:
+        yield json.dumps(error_body(e.message, "invalid_request_error", e.param, e.code or "invalid_request"))
+    except Exception:  # noqa: BLE001 - the stream already started: report in-band, details to the log only
+        logger.exception("error while streaming")
+        yield json.dumps(error_body("internal server error", "internal_server_error", code="internal_error"))
     yield "[DONE]"
 
 
@@ -434,9 +484,13 @@ def _completion_chunks(streams, rid, created, model, prompt_tokens, include_usag
             if text:
                 yield chunk(i, text)
         completion_tokens = 0
+        offsets = [len(text) for text in echo]  # text_offset counts the echoed prompt and earlier chunks
         async for i, out in _merge(streams):
             completion_tokens += len(out.new_token_ids)
-            lp = _completion_logprobs(tokenizer, out.logprobs) if want_logprobs and out.logprobs else None
+            lp = None
+            if want_logprobs and out.logprobs:
+                lp = _completion_logprobs(tokenizer, out.logprobs, offsets[i])
+                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             if out.text or lp or out.finished:
                 yield chunk(i, out.text, out.finish_reason if out.finished else None, lp)
         if include_usage:
@@ -462,9 +516,9 @@ def _chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
     return [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]} for x in lps]
 
 
-def _completion_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict[str, Any]:
+def _completion_logprobs(tokenizer, lps: list[TokenLogprob], start: int = 0) -> dict[str, Any]:
     tokens = [_piece(tokenizer, x.token_id) for x in lps]
-    offsets, pos = [], 0
+    offsets, pos = [], start
     for t in tokens:
         offsets.append(pos)
         pos += len(t)

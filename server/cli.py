@@ -58,10 +58,29 @@ def cmd_serve(args: argparse.Namespace) -> None:
     server = ServerConfig(**options(args, ServerConfig), limits=AdmissionLimits(**options(args, AdmissionLimits)))
     if server.served_model_name is None:
         server = dataclasses.replace(server, served_model_name=_default_name(args.model))
+    if server.api_key is None and os.environ.get("PAGEDSERVE_API_KEY"):  # keeps the key out of `ps`
+        server = dataclasses.replace(server, api_key=os.environ["PAGEDSERVE_API_KEY"])
+    if not server.api_keys() and not _is_loopback(server.host) and not server.allow_insecure_no_auth:
+        sys.exit(f"pagedserve: refusing to serve on {server.host} without an API key: anyone who can reach it "
+                 "could use the model and read the metrics. Set --api-key (or PAGEDSERVE_API_KEY), or pass "
+                 "--allow-insecure-no-auth if the network is trusted.")
     app = create_app(lambda: LLMEngine(config), server)
     print(f"pagedserve: serving {server.served_model_name!r} on http://{server.host}:{server.port}/v1 "
-          "(loading the model...)", flush=True)
-    uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level, timeout_graceful_shutdown=5)
+          f"({'API key required' if server.api_keys() else 'no auth'}; loading the model...)", flush=True)
+    uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level, timeout_graceful_shutdown=5,
+                timeout_keep_alive=server.keep_alive_timeout_s, limit_concurrency=server.max_connections,
+                h11_max_incomplete_event_size=64 * 1024)  # request line + headers
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
 
 
 def _default_name(model: str | None) -> str:

@@ -6,9 +6,49 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import MAX_STOP_STRINGS
+from engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+# OpenAI request fields that change what a response means but that pagedserve does not implement. Each is
+# refused with a 400 naming it, unless its value is inert (the predicate on the value and the whole body).
+# Implementing one of them = declaring it as a field below and deleting its entry here.
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "response_format": lambda v, body: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "tools": lambda v, body: not v,
+    "tool_choice": lambda v, body: v in (None, "none"),
+    "functions": lambda v, body: not v,
+    "function_call": lambda v, body: v in (None, "none"),
+    "logit_bias": lambda v, body: not v,
+    "suffix": lambda v, body: not v,
+    "best_of": lambda v, body: v is None or v == body.get("n", 1),
+    "audio": lambda v, body: v is None,
+    "modalities": lambda v, body: v is None or v == ["text"],
+    "prediction": lambda v, body: v is None,
+    "web_search_options": lambda v, body: v is None,
+}
+
+
+def _has_surrogate(value: Any) -> bool:
+    """Whether a JSON value holds a string that is not valid Unicode (a lone UTF-16 surrogate).
+
+    Iterative: a deeply nested body must not exhaust the interpreter's stack.
+    """
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 class _Request(BaseModel):
@@ -22,13 +62,30 @@ class _Request(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     ignore_eos: bool = False  # extension, for benchmarks
     user: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)  # as vLLM: a private prefix cache
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data: Any) -> Any:
+        """Unsupported fields and invalid Unicode, each a 400 naming its field (`param` in the error)."""
+        if not isinstance(data, dict):
+            return data
+        for name, inert in UNSUPPORTED_FIELDS.items():
+            if name in data and not inert(data[name], data):
+                raise PydanticCustomError("unsupported_field", "{param}: this field is not supported by pagedserve",
+                                          {"param": name})
+        for name, value in data.items():
+            if _has_surrogate(value):
+                raise PydanticCustomError("invalid_unicode", "{param}: the text contains a lone UTF-16 surrogate, "
+                                          "which is not valid Unicode", {"param": name})
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -40,6 +97,8 @@ class _Request(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(v)}")
         if any(not s for s in v):
             raise ValueError("stop sequences must be non-empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in v):
+            raise ValueError(f"stop sequences may be at most {MAX_STOP_STRING_CHARS} characters long")
         return v
 
 

@@ -77,7 +77,7 @@ def test_never_a_full_hit():
 def test_hash_collision_is_caught_by_token_compare(monkeypatch):
     import engine.block_manager as mod
 
-    monkeypatch.setattr(mod, "block_hash", lambda parent, tokens: 42)  # everything collides
+    monkeypatch.setattr(mod, "block_digest", lambda parent, tokens: b"42")  # everything collides
     bm = BlockManager(8, 4)
     a = seq(range(5), sid=0)
     compute(bm, a, 5)
@@ -159,3 +159,54 @@ def test_reset_prefix_cache_keeps_live_blocks():
     assert bm.find_cached_prefix(seq([1, 2, 3, 4, 9], sid=2)) == []
     assert bm.find_cached_prefix(seq([6, 7, 0], sid=3)) == b.block_table[:1]  # still referenced: kept
     bm.check_integrity([b])
+
+
+def test_parent_chain_collision_attempt(monkeypatch):
+    """A digest that ignored the parent (the CVE-2025-25183 class) still cannot make a block hit out of
+    context: a hit also needs the block's recorded parent digest, not just its own tokens."""
+    import engine.block_manager as mod
+
+    monkeypatch.setattr(mod, "block_digest", lambda parent, tokens: hash(tokens).to_bytes(8, "little", signed=True))
+    bm = BlockManager(16, 4)
+    a = seq([9, 9, 9, 9, 1, 2, 3, 4, 5], sid=0)  # block 1 = [1, 2, 3, 4] after a [9, 9, 9, 9] head
+    compute(bm, a, 9)
+    bm.free(a)
+    b = seq([1, 2, 3, 4, 5, 6], sid=1)  # same tokens as a's block 1, but as a first block
+    assert bm.find_cached_prefix(b) == []
+
+
+def test_digests_chain_the_whole_prefix_and_are_computed_once(monkeypatch):
+    import engine.block_manager as mod
+
+    real, calls = mod.block_digest, []
+    monkeypatch.setattr(mod, "block_digest", lambda parent, tokens: calls.append(tokens) or real(parent, tokens))
+    bm = BlockManager(16, 4)
+    a, b = seq([1, 2, 3, 4, 5, 6, 7, 8, 0], sid=0), seq([0, 2, 3, 4, 5, 6, 7, 8, 0], sid=1)
+    assert bm.digests(a, 2)[1] != bm.digests(b, 2)[1]  # same second block, different first: different digest
+    for _ in range(3):  # the scheduler retries a blocked head of the queue every step
+        bm.find_cached_prefix(a)
+    compute(bm, a, 9)
+    assert len(calls) == 4  # two blocks each of a and b, once
+    assert a.block_hashes == a.block_digests[:2] and all(len(d) == 32 for d in a.block_digests)
+
+
+def test_cache_salt_separates_identical_prompts():
+    bm = BlockManager(16, 4)
+    ids = list(range(9))
+    mk = lambda sid, salt: Sequence(sid, f"r{sid}", ids, SamplingParams(max_tokens=8, cache_salt=salt), 8)
+    compute(bm, mk(0, "tenant-a"), 9)
+    assert bm.find_cached_prefix(mk(1, "tenant-a")) == [0, 1]
+    assert bm.find_cached_prefix(mk(2, "tenant-b")) == []
+    assert bm.find_cached_prefix(mk(3, None)) == []
+    assert mod_root_differs()
+
+
+def mod_root_differs() -> bool:
+    """The root is random per process: a digest cannot be precomputed elsewhere."""
+    import subprocess
+    import sys
+
+    code = "from engine.block_manager import block_digest, root_digest; print(block_digest(root_digest(), (1,)).hex())"
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)}
+    return len(outs) == 2

@@ -236,3 +236,109 @@ def test_bf16_engine_runs(smollm):
     out = run_to_completion(engine)["a"]
     assert "Paris" in out["text"]
     assert engine.runner.kv_cache.dtype == torch.bfloat16
+
+
+def test_stop_string_on_the_last_allowed_token_is_stop(make_engine, smollm):
+    engine = make_engine(num_blocks=64)
+    engine.add_request("free", "1, 2, 3, 4, 5,", greedy(6, logprobs=None))
+    free = run_to_completion(engine)["free"]
+    last = smollm.tokenizer.decode(free["tokens"][-1:]).strip()
+    assert last
+    engine.add_request("s", "1, 2, 3, 4, 5,", SamplingParams(max_tokens=6, temperature=0, stop=[last]))
+    out = run_to_completion(engine)["s"]
+    if len(out["tokens"]) == 6:  # the stop string completed on the 6th (last allowed) token
+        assert out["finish_reason"] == "stop"
+    assert out["finish_reason"] == "stop" and last not in out["text"]
+
+
+def test_generate_validates_every_prompt_before_queueing_any(make_engine):
+    from engine import LLM
+
+    engine = make_engine(num_blocks=64)
+    llm = LLM(engine=engine)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    with pytest.raises(ContextLengthExceededError):
+        llm.generate(["fine", "also fine", "x " * 5000], params)
+    assert not engine.has_unfinished() and engine.num_waiting == 0
+    with pytest.raises(InvalidRequestError):
+        llm.generate(["fine", [1, 2, 10**9]], params)
+    assert not engine.has_unfinished()
+    assert [r.finish_reason for r in llm.generate(["next call", "works"], params)] == ["length", "length"]
+    engine.block_manager.check_integrity([])
+
+
+def test_generate_aborts_what_it_queued_when_interrupted(make_engine):
+    from engine import LLM
+
+    engine = make_engine(num_blocks=64)
+    llm = LLM(engine=engine)
+    real_step, steps = engine.step, []
+
+    def step():
+        steps.append(1)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    engine.step = step
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["one", "two", "three"], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    assert not engine.has_unfinished() and engine.scheduler.num_running == 0
+    assert engine.block_manager.num_used_blocks == 0
+    engine.step = real_step
+    assert llm.generate("again", SamplingParams(max_tokens=2, temperature=0))[0].finish_reason == "length"
+
+
+def test_add_request_from_many_threads(make_engine):
+    """Tokenizing and queueing from 8 threads at once while the engine steps: nothing lost or miscounted."""
+    import threading
+
+    engine = make_engine(num_blocks=256, max_num_seqs=4)
+    errors, counts = [], []
+    barrier = threading.Barrier(8)
+
+    def client(t: int) -> None:
+        try:
+            barrier.wait()
+            for j in range(4):
+                engine.add_request(f"t{t}-{j}", f"Thread {t} says hello number {j}. " * (1 + j),
+                                   SamplingParams(max_tokens=2, temperature=0))
+                counts.append(engine.num_waiting)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    results: dict = {}
+    while any(th.is_alive() for th in threads) or engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out
+    for th in threads:
+        th.join()
+    assert not errors and len(results) == 32 and all(o.finish_reason == "length" for o in results.values())
+    assert engine.num_waiting == 0
+    engine.block_manager.check_integrity([])
+
+
+
+def test_logprobs_go_out_with_their_text_and_a_stop_cut_drops_them(make_engine, smollm):
+    engine = make_engine(num_blocks=64)
+    engine.add_request("free", "1, 2, 3, 4, 5,", greedy(10, logprobs=1))
+    free = run_to_completion(engine)["free"]
+    assert [x.token_id for x in free["logprobs"]] == free["tokens"]
+    stop = free["text"][5:8]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop=[stop], logprobs=1)
+    engine.add_request("cut", "1, 2, 3, 4, 5,", params)
+    sent_text, sent_lps = "", []
+    while engine.has_unfinished():
+        for out in engine.step():
+            sent_text += out.text
+            sent_lps += out.logprobs
+            # never a logprob for a token whose text has not gone out yet
+            pieces = [smollm.tokenizer.decode([x.token_id]) for x in sent_lps]
+            assert len("".join(pieces[:-1])) < len(sent_text) or len(sent_lps) <= 1
+    assert sent_text == free["text"][:free["text"].index(stop)]
+    assert [x.token_id for x in sent_lps] == free["tokens"][:len(sent_lps)] and len(sent_lps) < 10
+    assert len("".join(smollm.tokenizer.decode([x.token_id]) for x in sent_lps[:-1])) < len(sent_text)

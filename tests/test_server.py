@@ -33,9 +33,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(engine, limits: AdmissionLimits | None = None):
+def running_server(engine, limits: AdmissionLimits | None = None, **server_options):
     port = free_port()
-    app = create_app(lambda: engine, ServerConfig(MODEL, limits or AdmissionLimits()))
+    app = create_app(lambda: engine, ServerConfig(MODEL, limits or AdmissionLimits(), **server_options))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -383,9 +383,13 @@ def test_health_503_while_loading_and_after_engine_death(make_engine):
                     events.append(line[6:])
                     if len(events) == 3:
                         crash.set()
-        assert events[-1] == "[DONE]" and "boom" in json.loads(events[-2])["error"]["message"]
+        err = json.loads(events[-2])["error"]
+        assert events[-1] == "[DONE]" and err["code"] == "engine_dead" and "boom" not in err["message"]
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
-        assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
+        err = r.json()["error"]
+        assert r.status_code == 503 and err["code"] == "engine_dead" and "boom" not in err["message"]
+        # the gauges of a dead engine are not reported as if it were still running
+        assert "vllm:num_requests_running" not in httpx.get(f"{base}/metrics").text
         assert httpx.get(f"{base}/health").status_code == 503
         assert not state.engine.alive
         engine.runner.run = original
@@ -421,14 +425,15 @@ def test_queued_token_limit(make_engine, smollm):
     """Past --max-queued-tokens of prompts waiting for their prefill, new requests get 429."""
     engine = make_engine(num_blocks=256, max_num_batched_tokens=64)  # a long prompt takes many steps
     long_prompt = smollm.tokenizer.decode(list(range(1000, 3000)))
-    with running_server(engine, AdmissionLimits(max_queued_tokens=1000)) as (base, state):
+    limit = len(smollm.tokenizer.encode(long_prompt)) + 100  # the first fits alone; the two together do not
+    with running_server(engine, AdmissionLimits(max_queued_tokens=limit)) as (base, state):
         async def main():
             async with httpx.AsyncClient(timeout=120) as c:
                 first = asyncio.create_task(c.post(f"{base}/v1/completions",
                                                    json={"prompt": long_prompt, "max_tokens": 2}))
                 while state.engine.num_waiting + state.engine.num_running == 0:
                     await asyncio.sleep(0.01)
-                second = await c.post(f"{base}/v1/completions", json={"prompt": "Hello " * 50, "max_tokens": 2})
+                second = await c.post(f"{base}/v1/completions", json={"prompt": "Hello " * 200, "max_tokens": 2})
                 return await first, second
 
         first, second = asyncio.run(main())

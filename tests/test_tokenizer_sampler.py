@@ -1,9 +1,13 @@
 """Incremental detokenization, stop strings, and the sampler, without running the model."""
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from engine.errors import InvalidRequestError
 from engine.sampler import Sampler, SampleRequest, _top_k_top_p
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_STOP_STRING_CHARS, SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -88,3 +92,53 @@ def test_penalties_and_logprobs():
     assert tokens == [1]  # 2.0 - 0.5 - 0.2 < 1.9
     assert lps[0].token_id == 1 and len(lps[0].top) == 2
     assert abs(sum(torch.tensor([v for _, v in lps[0].top]).exp().tolist()) - 1) < 0.2
+
+
+def _reference_stop(stops: list[str], deltas: list[str]) -> tuple[str, bool]:
+    """Brute force: the text up to the stop string that completes first (longest if several end together)."""
+    text = ""
+    for d in deltas:
+        for ch in d:
+            text += ch
+            ends = [s for s in stops if text.endswith(s)]
+            if ends:
+                return text[:len(text) - max(map(len, ends))], True
+    return text, False
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text("abc", min_size=1, max_size=5), min_size=1, max_size=4),
+       st.lists(st.text("abcd", max_size=6), max_size=12))
+def test_stop_automaton_matches_brute_force(stops, deltas):
+    m = StopStringMatcher(stops)
+    sent = ""
+    longest = max(map(len, stops))
+    for d in deltas:
+        m.feed(d)
+        sent += m.take(final=False)
+        if not m.stopped:  # held back: only a tail that may still become a stop string
+            assert len(m.held) < longest and any(s.startswith(m.held) for s in stops) or not m.held
+    sent += m.take(final=True)
+    assert (sent, m.stopped) == _reference_stop(stops, deltas)
+
+
+def test_stop_matcher_state_stays_bounded():
+    """Long output against long stop strings: the matcher keeps no more than the longest stop string's tail
+    and one automaton node per stop-string character (per-token time: benchmarks/stop_strings.py)."""
+    stops = ["x" * 255 + "y", "z" * 256, "ab" * 128, "q" * 200 + "!"]
+    m = StopStringMatcher(stops)
+    sent = 0
+    for _ in range(30_000 // 5):
+        m.feed("x" * 4 + " ")
+        sent += len(m.take(final=False))
+        assert len(m.held) <= 255
+    assert not m.stopped and sent == 30_000
+    assert len(m._next) <= sum(map(len, stops)) + 1
+    m.feed("x" * 255 + "y")
+    assert m.stopped and m.take(final=True) == ""
+
+
+def test_stop_string_limits():
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(stop=["x" * (MAX_STOP_STRING_CHARS + 1)])
+    assert SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS]).stop

@@ -55,6 +55,8 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv_freq, 1.0
+    if kind == "freq_factors":  # llama.cpp's form of llama3 scaling: a divisor per frequency (rope_freqs.weight)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor, 1.0

@@ -142,6 +142,10 @@ def _gguf_config(reader) -> ModelConfig:
     if g("rope.scaling.type") not in (None, "none"):
         scaling = {"rope_type": g("rope.scaling.type"), "factor": g("rope.scaling.factor"),
                    "original_max_position_embeddings": g("rope.scaling.original_context_length")}
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # Llama 3.x: llama3 RoPE scaling baked into per-frequency divisors
+        scaling = {"rope_type": "freq_factors",
+                   "factors": [float(x) for x in np.asarray(freqs.data, dtype=np.float32).reshape(-1)]}
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=arch,
@@ -175,6 +179,8 @@ def _gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tens
 
     reader = _gguf_reader(path)
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # read into the config's RoPE scaling, not a parameter
+            continue
         for pattern, repl in _GGUF_NAMES:
             if re.fullmatch(pattern, t.name):
                 name = re.sub(pattern, repl, t.name)

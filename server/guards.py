@@ -1,0 +1,130 @@
+"""ASGI guards in front of the routes: API-key auth, and a bounded, timed read of the request body.
+
+Both answer in the OpenAI error shape themselves, before FastAPI parses anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from server.protocol import error_body
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+TENANT_KEY = "pagedserve.tenant"  # scope["state"][TENANT_KEY]: an id of the API key that authenticated
+
+
+async def send_error(send: Send, status: int, message: str, type_: str, code: str | None = None,
+                     headers: list[tuple[bytes, bytes]] = ()) -> None:
+    body = json.dumps(error_body(message, type_, None, code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def key_id(key: str) -> str:
+    """A stable, non-secret name for a key (prefix-cache namespace, logs): never the key itself."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class ApiKeyAuth:
+    """OpenAI bearer auth for /v1/* and /metrics (/health stays open for load balancers).
+
+    Every configured key is compared in constant time, so the time to refuse says nothing about a key.
+    """
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = [(k.encode(), key_id(k)) for k in keys]
+
+    def _match(self, token: bytes) -> str | None:
+        found = None
+        for key, kid in self.keys:
+            if hmac.compare_digest(token, key) and found is None:
+                found = kid
+        return found
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not self.keys or not (path.startswith("/v1/") or path == "/metrics"):
+            return await self.app(scope, receive, send)
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        kid = self._match(token.strip()) if scheme.lower() == b"bearer" else None
+        if kid is None:
+            message = ("Incorrect API key provided." if auth else
+                       "You didn't provide an API key. You need to provide your API key in an Authorization "
+                       "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+            return await send_error(send, 401, message, "invalid_request_error", "invalid_api_key",
+                                    [(b"www-authenticate", b'Bearer realm="pagedserve"')])
+        scope.setdefault("state", {})[TENANT_KEY] = kid
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """Reads a request's whole body before the app sees it: at most `max_bytes` (else 413), within
+    `timeout_s` (else 408, so a client trickling its body cannot hold a slot for ever).
+
+    The app then gets the body in one message; later `receive` calls go to the client again, so
+    disconnects are still seen while the response streams.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        chunks: list[bytes] = []
+        size = 0
+
+        async def read_all() -> dict[str, Any] | None:
+            """The whole body as one message; None if too large (read to its end and dropped, so the client
+            gets the 413 instead of a reset connection); a disconnect message if the client left."""
+            nonlocal size
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return message
+                size += len(message.get("body", b""))
+                if size <= self.max_bytes:
+                    chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    if size > self.max_bytes:
+                        return None
+                    return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        try:
+            first = await asyncio.wait_for(read_all(), self.timeout_s)
+        except asyncio.TimeoutError:
+            if size > self.max_bytes:
+                return await self._too_large(send)
+            return await send_error(send, 408, f"the request body was not received within {self.timeout_s:g} s",
+                                    "invalid_request_error", "request_timeout", [(b"connection", b"close")])
+        if first is None:
+            return await self._too_large(send)
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return first
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Send) -> None:
+        await send_error(send, 413, f"the request body is larger than {self.max_bytes} bytes",
+                         "invalid_request_error", "request_too_large", [(b"connection", b"close")])
