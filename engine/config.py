@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from engine.cpu_dtype import auto_cpu_dtype, cpu_has_native_bf16
 from engine.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -116,7 +117,7 @@ def bundled_model_path() -> str:
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """`auto` -> bf16 where the device runs it fast (CUDA with bf16, CPUs with AVX512-BF16/AMX), else fp32."""
+    """`auto` -> bf16 where the device runs it fast (CUDA with bf16; CPUs: see engine.cpu_dtype), else fp32."""
     if isinstance(name, torch.dtype):
         return name
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -127,16 +128,14 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
         raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {name!r}")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu" and cpu_has_fast_bf16():
-        return torch.bfloat16
+    if device.type == "cpu":
+        return auto_cpu_dtype().dtype
     return torch.float32
 
 
 def cpu_has_fast_bf16() -> bool:
-    try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    """Native bf16 (AVX512_BF16/AMX): oneDNN's own check says yes on any AVX-512 CPU, even where it emulates."""
+    return cpu_has_native_bf16()
 
 
 @dataclass(frozen=True)
