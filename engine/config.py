@@ -175,7 +175,8 @@ class EngineConfig:
     tokenizer: str | None = opt(None, "tokenizer path (default: the model's own)")
     dtype: str = opt("auto", "auto (bf16 where it is fast, else fp32), float32, bfloat16, float16")
     device: str = opt("auto", "auto, cpu, cuda")
-    attention_backend: str = opt("auto", "attention implementation", choices=("auto", "torch", "triton"))
+    attention_backend: str = opt("auto", "attention implementation (auto: triton on CUDA, the C++ kernel on CPU)",
+                                  choices=("auto", "cpu", "torch", "triton"))
     cuda_graphs: bool = opt(True, "capture decode steps as CUDA graphs (CUDA + Triton backend)")
     max_model_len: int | None = opt(None, "context length (default: the model's)")
     seed: int = opt(0, "seed for random weights and unseeded sampling")
