@@ -160,12 +160,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = opt(2048, "token budget per step")
     policy: str = opt("continuous", "continuous, or static (a fixed batch runs until its longest member ends)",
                       choices=("continuous", "static"))
+    max_step_ms: float | None = opt(None, "step-time target in ms: prefill chunks are sized by the measured step-cost "
+                                          "model to keep steps under it (default: twice the running decodes' own "
+                                          "cost; 0: off, token budget only)")
 
     def __post_init__(self) -> None:
         if self.policy not in ("continuous", "static"):
             raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_step_ms is not None and self.max_step_ms < 0:
+            raise ValueError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
 
 
 @dataclass(frozen=True)
@@ -192,7 +197,7 @@ class EngineConfig:
 def make_config(**kwargs: Any) -> EngineConfig:
     """Flat keyword arguments (as on the CLI) -> EngineConfig. Unknown names are an error."""
     cache_keys = {"block_size", "num_blocks", "memory_gib", "enable_prefix_caching"}
-    sched_keys = {"max_num_seqs", "max_num_batched_tokens", "policy"}
+    sched_keys = {"max_num_seqs", "max_num_batched_tokens", "policy", "max_step_ms"}
     cache = {k: kwargs.pop(k) for k in list(kwargs) if k in cache_keys}
     sched = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_keys}
     engine_keys = set(EngineConfig.__dataclass_fields__) - {"cache", "scheduler"}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -23,20 +22,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from benchmarks.machine import machine_header  # noqa: E402
 from engine.attention.base import AttentionMetadata  # noqa: E402
 from engine.attention.cpu_paged import CpuPagedAttention  # noqa: E402
 from engine.attention.torch_paged import TorchPagedAttention  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def machine_header() -> str:
-    flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    keep = [line for line in flags.splitlines() if line.split(":")[0].strip() in ("Model name", "CPU(s)")]
-    want = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
-    have = [f for f in want if f" {f} " in f" {flags} "]
-    return " | ".join(line.split(":", 1)[1].strip() for line in keep) + f" | flags: {' '.join(have)} | " \
-        f"load {os.getloadavg()[0]:.2f} | torch threads {torch.get_num_threads()}"
 
 
 def bench_ms(fn, reps: int) -> float:
