@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from engine.cpu_dtype import auto_cpu_dtype, cpu_has_native_bf16
 from engine.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -116,7 +117,7 @@ def bundled_model_path() -> str:
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """`auto` -> bf16 where the device runs it fast (CUDA with bf16, CPUs with AVX512-BF16/AMX), else fp32."""
+    """`auto` -> bf16 where the device runs it fast (CUDA with bf16; CPUs: see engine.cpu_dtype), else fp32."""
     if isinstance(name, torch.dtype):
         return name
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -127,16 +128,14 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
         raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {name!r}")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu" and cpu_has_fast_bf16():
-        return torch.bfloat16
+    if device.type == "cpu":
+        return auto_cpu_dtype().dtype
     return torch.float32
 
 
 def cpu_has_fast_bf16() -> bool:
-    try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    """Native bf16 (AVX512_BF16/AMX): oneDNN's own check says yes on any AVX-512 CPU, even where it emulates."""
+    return cpu_has_native_bf16()
 
 
 @dataclass(frozen=True)
@@ -161,12 +160,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = opt(2048, "token budget per step")
     policy: str = opt("continuous", "continuous, or static (a fixed batch runs until its longest member ends)",
                       choices=("continuous", "static"))
+    max_step_ms: float | None = opt(None, "step-time target in ms: prefill chunks are sized by the measured step-cost "
+                                          "model to keep steps under it (default: twice the running decodes' own "
+                                          "cost; 0: off, token budget only)")
 
     def __post_init__(self) -> None:
         if self.policy not in ("continuous", "static"):
             raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_step_ms is not None and self.max_step_ms < 0:
+            raise ValueError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,8 @@ class EngineConfig:
     tokenizer: str | None = opt(None, "tokenizer path (default: the model's own)")
     dtype: str = opt("auto", "auto (bf16 where it is fast, else fp32), float32, bfloat16, float16")
     device: str = opt("auto", "auto, cpu, cuda")
-    attention_backend: str = opt("auto", "attention implementation", choices=("auto", "torch", "triton"))
+    attention_backend: str = opt("auto", "attention implementation (auto: triton on CUDA, the C++ kernel on CPU)",
+                                  choices=("auto", "cpu", "torch", "triton"))
     cuda_graphs: bool = opt(True, "capture decode steps as CUDA graphs (CUDA + Triton backend)")
     max_model_len: int | None = opt(None, "context length (default: the model's)")
     seed: int = opt(0, "seed for random weights and unseeded sampling")
@@ -192,7 +197,7 @@ class EngineConfig:
 def make_config(**kwargs: Any) -> EngineConfig:
     """Flat keyword arguments (as on the CLI) -> EngineConfig. Unknown names are an error."""
     cache_keys = {"block_size", "num_blocks", "memory_gib", "enable_prefix_caching"}
-    sched_keys = {"max_num_seqs", "max_num_batched_tokens", "policy"}
+    sched_keys = {"max_num_seqs", "max_num_batched_tokens", "policy", "max_step_ms"}
     cache = {k: kwargs.pop(k) for k in list(kwargs) if k in cache_keys}
     sched = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_keys}
     engine_keys = set(EngineConfig.__dataclass_fields__) - {"cache", "scheduler"}

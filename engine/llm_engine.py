@@ -23,6 +23,7 @@ from engine.sampler import SampleRequest, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_cost import StepCostModel, StepShape
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ class LLMEngine:
         self.max_model_len = max_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.cost_model = StepCostModel()  # fitted from timed steps; sizes prefill chunks by time
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.cost_model)
         # The engine thread detokenizes while other threads encode: HF fast tokenizers mutate state on
         # encode ("Already borrowed"), so the detokenizer gets its own copy.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
@@ -228,7 +230,11 @@ class LLMEngine:
             if r.sample.params.needs_penalties:
                 r.sample.output_token_ids = r.seq.output_token_ids
         sample = [r.sample if want else None for r, want in zip(reqs, sched.sample)]
+        shape = StepShape.of(sched.num_new_tokens, [s.num_computed_tokens + n for s, n in
+                                                    zip(sched.seqs, sched.num_new_tokens)])
+        t0 = time.perf_counter()
         sampled, logprobs = self.runner.run(StepInput(sched.seqs, sched.num_new_tokens, sample))
+        self.cost_model.observe(shape, (time.perf_counter() - t0) * 1e3)
         lp_of = {s.seq_id: lp for s, lp in zip(sched.seqs, logprobs) if lp is not None}
         for seq in self.scheduler.update(sched, sampled):
             outputs.append(self._emit(self._requests[seq.request_id], lp_of.get(seq.seq_id)))

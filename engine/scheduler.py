@@ -3,7 +3,10 @@
 Each step: running sequences first (oldest first), then waiting ones are admitted FCFS, within
 `max_num_seqs` sequences and `max_num_batched_tokens` tokens. A sequence's share is
 `min(num_tokens - num_computed_tokens, budget left)`, so long prompts are prefilled in chunks and
-prefill and decode share a step. When blocks run out the newest running sequence is preempted
+prefill and decode share a step. Prefill tokens also have a time budget: with a fitted step-cost model
+(engine/step_cost.py) a step takes only as many as fit in the step-time target next to its decodes, but
+always at least MIN_PREFILL_TOKENS, oldest prompt first, so no prompt starves (a running prompt that
+finds the time budget spent sits the step out). When blocks run out the newest running sequence is preempted
 (blocks freed, recomputed later from the front of the queue); nothing new is admitted that step.
 Pure Python: tested without a model.
 """
@@ -17,6 +20,9 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_cost import StepCostModel
+
+MIN_PREFILL_TOKENS = 32  # per step, whatever the time target: prompts always advance
 
 
 @dataclass(slots=True)
@@ -38,9 +44,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 cost_model: StepCostModel | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.cost_model = cost_model
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -83,12 +91,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self._prefill_time_budget()
         bm = self.block_manager
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n > 1:
+                if prefill_budget <= 0:
+                    i += 1
+                    continue
+                n = min(n, prefill_budget)
+                prefill_budget -= n
             while not bm.can_allocate(seq, n):
                 victim = self.running.pop()  # the newest
                 self._preempt(victim)
@@ -104,11 +119,13 @@ class Scheduler:
 
         if out.num_preempted == 0 and self._may_admit():
             while self.waiting and len(self.running) < self.config.max_num_seqs:
-                if budget <= 0 and self.config.policy == "continuous":
+                if (budget <= 0 or prefill_budget <= 0) and self.config.policy == "continuous":
                     break
                 seq = self.waiting[0]
                 cached = bm.find_cached_prefix(seq)
                 n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
+                n = min(n, prefill_budget) if n > 1 else n
+                prefill_budget -= n
                 if not bm.can_allocate(seq, n, cached):
                     break  # FCFS: nobody overtakes the head of the queue
                 self.waiting.popleft()
@@ -124,6 +141,16 @@ class Scheduler:
                     self._emit(out, seq, n)
                     budget -= n
         return out
+
+    def _prefill_time_budget(self) -> int:
+        """Prefill tokens that fit in this step's time target next to its decodes (no limit: the token budget)."""
+        target = self.config.max_step_ms
+        unlimited = self.config.max_num_batched_tokens
+        if self.cost_model is None or target == 0 or self.config.policy != "continuous":
+            return unlimited
+        decodes = [s.num_tokens for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        fit = self.cost_model.prefill_tokens_within(target, len(decodes), sum(decodes))
+        return unlimited if fit is None else max(fit, MIN_PREFILL_TOKENS)
 
     def _may_admit(self) -> bool:
         # static batching: a new batch forms only when the previous one has fully drained

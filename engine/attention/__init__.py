@@ -11,16 +11,28 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "TorchPagedAttention", "get_
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` picks the Triton kernels on CUDA when Triton is importable, else the PyTorch reference."""
+    """`auto` picks the Triton kernels on CUDA when Triton is importable, the C++ kernel on a CPU when it
+    compiles (else, with a logged warning, the PyTorch reference)."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+        if device.type == "cuda":
+            name = "triton" if _triton_available() else "torch"
+        else:
+            from engine.attention.cpu_paged import load_kernel
+
+            name = "cpu" if load_kernel() is not None else "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend=cpu runs on the CPU, not {device.type}")
+        from engine.attention.cpu_paged import CpuPagedAttention
+
+        return CpuPagedAttention()
     if name == "torch":
         return TorchPagedAttention()
     if name == "triton":
         from engine.attention.triton_paged import TritonPagedAttention
 
         return TritonPagedAttention()
-    raise ValueError(f"attention_backend must be auto, torch or triton; got {name!r}")
+    raise ValueError(f"attention_backend must be auto, cpu, torch or triton; got {name!r}")
 
 
 def _triton_available() -> bool:

@@ -92,17 +92,7 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, plan, scale)
-        start = nd
-        for b in range(nd, meta.num_seqs):
-            q_len, kv_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
-            end = start + q_len
-            if kv_len == q_len:  # nothing cached: this step's K/V are the whole context
-                kb, vb = k[start:end], v[start:end]
-            else:
-                kb = gather_kv(k_cache, meta.block_tables[b], kv_len)
-                vb = gather_kv(v_cache, meta.block_tables[b], kv_len)
-            out[start:end] = _sdpa(q[start:end], kb, vb, scale, kv_len == q_len)
-            start = end
+        attend_chunks(q, k, v, k_cache, v_cache, meta, scale, nd, out)
         return out
 
     @staticmethod
@@ -122,6 +112,26 @@ class TorchPagedAttention(AttentionBackend):
             enable_gqa=True,
         )
         return o.squeeze(2)
+
+
+def attend_chunks(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, first: int,
+                  out: torch.Tensor) -> None:
+    """SDPA for sequences first .. num_seqs - 1, one at a time, into their rows of out.
+
+    A chunk with nothing cached attends to this step's K/V directly; an extend gathers its context
+    once (a copy of O(context) against O(chunk x context) of attention work).
+    """
+    start = sum(meta.query_lens_cpu[:first])
+    for b in range(first, meta.num_seqs):
+        q_len, kv_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
+        end = start + q_len
+        if kv_len == q_len:  # nothing cached: this step's K/V are the whole context
+            kb, vb = k[start:end], v[start:end]
+        else:
+            kb = gather_kv(k_cache, meta.block_tables[b], kv_len)
+            vb = gather_kv(v_cache, meta.block_tables[b], kv_len)
+        out[start:end] = _sdpa(q[start:end], kb, vb, scale, kv_len == q_len)
+        start = end
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pure_causal: bool) -> torch.Tensor:

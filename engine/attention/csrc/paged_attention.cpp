@@ -1,0 +1,311 @@
+// Paged attention on the CPU, reading K/V from the cache blocks in place (no gather copy).
+//
+// One entry point serves decode, extend and prefill: every sequence b has query rows
+// [query_start_loc[b], query_start_loc[b+1]) at positions ctx .. seq_len-1 (ctx = seq_len - q_len) and
+// attends causally over keys 0 .. its own position. Work items are (sequence, KV head, query tile,
+// KV split): the GROUP query heads that share a KV head are done together, so each K/V row is read
+// (and, for bf16, widened to fp32) once per tile, not once per query head. Items are handed out through
+// an atomic counter because causal tiles and varlen sequences differ in cost. Splits of one
+// (sequence, head, tile) write unnormalised partials (acc, max, sum) that a second pass merges, so a
+// long context still spreads over all threads at batch 1.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float widen(at::Half x) { return static_cast<float>(x); }
+inline float widen(double x) { return static_cast<float>(x); }
+
+struct Tile {
+  int64_t seq, row0, rows, ctx, seq_len;  // query rows [row0, row0 + rows) of seq; first at position ctx
+};
+
+// exp(x) for x <= 0 in plain arithmetic, so loops over it vectorise (std::exp does not): 2^x = 2^i * 2^f,
+// 2^f by a degree-6 polynomial on [-0.5, 0.5] (relative error ~2e-7); below -126 * ln 2 it flushes to 0.
+inline float fast_exp(float x) {
+  float t = x * 1.4426950408889634f;
+  t = t < -126.f ? -126.f : t;
+  const float i = (t + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23 trick
+  const float f = t - i;
+  float p = 1.5403530e-4f;
+  p = p * f + 1.3333558e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(i) << 23;
+  float r;
+  std::memcpy(&r, &bits, sizeof r);
+  return x < -87.f ? 0.f : r;
+}
+
+constexpr int64_t ROWS = 4;  // query rows scored together: four independent FMA chains per key vector
+
+template <typename T>
+void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_cache, const T* v_cache,
+               int64_t cache_stride_block, int64_t cache_stride_slot, const int32_t* block_tables,
+               int64_t table_stride, const std::vector<Tile>& tiles, int64_t num_kv_heads, int64_t group,
+               int64_t head_dim, int64_t block_size, int64_t splits, float scale, T* out, float* part_acc,
+               float* part_ml, int64_t max_rows) {
+  const int64_t items = static_cast<int64_t>(tiles.size()) * num_kv_heads * splits;
+  std::atomic<int64_t> next{0};
+  const int64_t D = head_dim, BS = block_size;
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    // rows of one item: query tokens x heads of the group, padded to a multiple of ROWS
+    const int64_t R = (max_rows * group + ROWS - 1) / ROWS * ROWS;
+    std::vector<float> qf(R * D), acc(R * D), m(R), l(R), s(ROWS * BS), kt(D * BS), kf, vf;
+    if (!std::is_same<T, float>::value) {
+      kf.resize(BS * D);
+      vf.resize(BS * D);
+    }
+    for (int64_t item; (item = next.fetch_add(1)) < items;) {
+      const int64_t split = item % splits;
+      const int64_t h = (item / splits) % num_kv_heads;
+      const Tile& t = tiles[item / splits / num_kv_heads];
+      const int64_t rows = t.rows * group;
+      const int64_t padded = (rows + ROWS - 1) / ROWS * ROWS;
+      // keys this item may see: [lo, hi), split boundaries on block boundaries
+      const int64_t last_pos = t.ctx + t.rows;  // one past the tile's last query position
+      const int64_t blocks = (last_pos + BS - 1) / BS;
+      const int64_t per_split = (blocks + splits - 1) / splits;
+      const int64_t lo = split * per_split * BS;
+      const int64_t hi = std::min(last_pos, (split + 1) * per_split * BS);
+      for (int64_t r = 0; r < padded; ++r) {  // r = token * group + g
+        float* dst = qf.data() + r * D;
+        m[r] = -std::numeric_limits<float>::infinity();
+        l[r] = 0.f;
+        if (r >= rows) {
+          std::fill(dst, dst + D, 0.f);
+          continue;
+        }
+        const T* src = q + (t.row0 + r / group) * q_stride_t + (h * group + r % group) * q_stride_h;
+        for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]) * scale;
+      }
+      std::fill(acc.begin(), acc.begin() + padded * D, 0.f);
+      const int32_t* table = block_tables + t.seq * table_stride;
+      for (int64_t start = lo; start < hi; start += BS) {
+        const int64_t n = std::min(BS, hi - start);
+        const int64_t base = table[start / BS] * cache_stride_block + h * D;
+        // Many rows (extend, prefill): K transposed to [D, n] so scores run along the keys, no horizontal
+        // sums. Four rows or fewer (a decode with GQA group <= 4): the transpose would cost more than it
+        // saves, so scores are dot products over K rows read in place (fp32) or widened (bf16).
+        const bool transposed = padded > ROWS;
+        const float* kp = nullptr;
+        const float* vp;
+        int64_t kv_stride;
+        if constexpr (std::is_same<T, float>::value) {
+          kp = k_cache + base;
+          vp = v_cache + base;
+          kv_stride = cache_stride_slot;
+        } else {
+          for (int64_t j = 0; j < n; ++j) {
+            const T* vs = v_cache + base + j * cache_stride_slot;
+            for (int64_t d = 0; d < D; ++d) vf[j * D + d] = widen(vs[d]);
+          }
+          if (!transposed) {
+            for (int64_t j = 0; j < n; ++j) {
+              const T* ks = k_cache + base + j * cache_stride_slot;
+              for (int64_t d = 0; d < D; ++d) kf[j * D + d] = widen(ks[d]);
+            }
+            kp = kf.data();
+          }
+          vp = vf.data();
+          kv_stride = D;
+        }
+        if (transposed) {
+          for (int64_t j = 0; j < n; ++j) {
+            const T* ks = k_cache + base + j * cache_stride_slot;
+            for (int64_t d = 0; d < D; ++d) kt[d * n + j] = widen(ks[d]);
+          }
+        }
+        for (int64_t r0 = 0; r0 < padded; r0 += ROWS) {
+          const int64_t last = std::min(r0 + ROWS, rows) - 1;
+          if (t.ctx + last / group + 1 - start <= 0) continue;  // no row of the four sees this block yet
+          float* s0 = s.data();
+          float* s1 = s0 + BS;
+          float* s2 = s1 + BS;
+          float* s3 = s2 + BS;
+          const float* q0 = qf.data() + r0 * D;
+          if (!transposed) {
+            for (int64_t j = 0; j < n; ++j) {
+              const float* kr = kp + j * kv_stride;
+              float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+              for (int64_t d = 0; d < D; ++d) {
+                d0 += q0[d] * kr[d];
+                d1 += q0[D + d] * kr[d];
+                d2 += q0[2 * D + d] * kr[d];
+                d3 += q0[3 * D + d] * kr[d];
+              }
+              s0[j] = d0;
+              s1[j] = d1;
+              s2[j] = d2;
+              s3[j] = d3;
+            }
+          } else {
+            std::fill(s0, s0 + ROWS * BS, 0.f);
+          }
+          for (int64_t d = 0; transposed && d < D; ++d) {
+            const float a0 = q0[d], a1 = q0[D + d], a2 = q0[2 * D + d], a3 = q0[3 * D + d];
+            const float* kd = kt.data() + d * n;
+#pragma omp simd
+            for (int64_t j = 0; j < n; ++j) {
+              s0[j] += a0 * kd[j];
+              s1[j] += a1 * kd[j];
+              s2[j] += a2 * kd[j];
+              s3[j] += a3 * kd[j];
+            }
+          }
+          for (int64_t rr = 0; rr < ROWS && r0 + rr < rows; ++rr) {
+            const int64_t r = r0 + rr;
+            // causal: query at position ctx + r / group sees keys up to and including itself
+            const int64_t visible = std::min(n, t.ctx + r / group + 1 - start);
+            if (visible <= 0) continue;
+            float* sr = s0 + rr * BS;
+            float mx = m[r];
+#pragma omp simd reduction(max : mx)
+            for (int64_t j = 0; j < visible; ++j) mx = mx > sr[j] ? mx : sr[j];
+            const float alpha = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : fast_exp(m[r] - mx);
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < visible; ++j) {
+              sr[j] = fast_exp(sr[j] - mx);
+              sum += sr[j];
+            }
+            float* ar = acc.data() + r * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+            for (int64_t j = 0; j < visible; ++j) {
+              const float p = sr[j];
+              const float* vr = vp + j * kv_stride;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
+            }
+            l[r] = l[r] * alpha + sum;
+            m[r] = mx;
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t tok = t.row0 + r / group, head = h * group + r % group;
+        const float* ar = acc.data() + r * D;
+        if (splits == 1) {
+          T* o = out + (tok * num_kv_heads * group + head) * D;
+          const float inv = 1.f / l[r];
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(ar[d] * inv);
+        } else {  // partials indexed [token, head, split]
+          const int64_t p = (tok * num_kv_heads * group + head) * splits + split;
+          std::memcpy(part_acc + p * D, ar, D * sizeof(float));
+          part_ml[2 * p] = m[r];
+          part_ml[2 * p + 1] = l[r];
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void merge_splits(const float* part_acc, const float* part_ml, T* out, int64_t rows, int64_t splits,
+                  int64_t D) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(D);
+    for (int64_t r = begin; r < end; ++r) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < splits; ++s) mx = std::max(mx, part_ml[2 * (r * splits + s)]);
+      std::fill(o.begin(), o.end(), 0.f);
+      float total = 0.f;
+      for (int64_t s = 0; s < splits; ++s) {
+        const int64_t p = r * splits + s;
+        if (part_ml[2 * p + 1] == 0.f) continue;  // an empty split (its keys are all in the future)
+        const float w = std::exp(part_ml[2 * p] - mx);
+        total += w * part_ml[2 * p + 1];
+        for (int64_t d = 0; d < D; ++d) o[d] += w * part_acc[p * D + d];
+      }
+      for (int64_t d = 0; d < D; ++d) out[r * D + d] = static_cast<T>(o[d] / total);
+    }
+  });
+}
+
+}  // namespace
+
+// q [T, Hq, D] (any row/head strides, unit stride in D); caches [blocks, block_size, Hkv, D] with unit
+// strides inside a slot; block_tables [B, W] int32; seq_lens [B] and query_start_loc [B + 1] int32 (CPU).
+// Returns [T, Hq, D] contiguous, in q's dtype. query_tile: query tokens per work item; splits: KV
+// splits per item (1 = none).
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale, int64_t query_tile, int64_t splits) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.stride(2) == 1, "bad q / cache shapes");
+  TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1 &&
+                  k_cache.stride(2) == k_cache.size(3),
+              "K/V caches need equal strides and contiguous slots");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt && block_tables.stride(1) == 1,
+              "block tables, seq lens and query offsets must be int32");
+  const int64_t num_heads = q.size(1), D = q.size(2), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && num_heads % num_kv_heads == 0, "head shapes do not match");
+  const int64_t group = num_heads / num_kv_heads, block_size = k_cache.size(1);
+  const auto lens = seq_lens.contiguous();
+  const auto qsl = query_start_loc.contiguous();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int32_t* qp = qsl.data_ptr<int32_t>();
+  std::vector<Tile> tiles;
+  int64_t max_rows = 1;
+  for (int64_t b = 0; b < lens.size(0); ++b) {
+    const int64_t q_len = qp[b + 1] - qp[b], ctx = lp[b] - q_len;
+    TORCH_CHECK(q_len >= 0 && ctx >= 0, "sequence ", b, " has more query tokens than context");
+    for (int64_t i = 0; i < q_len; i += query_tile) {
+      const int64_t rows = std::min(query_tile, q_len - i);
+      tiles.push_back({b, qp[b] + i, rows, ctx + i, lp[b]});
+      max_rows = std::max(max_rows, rows);
+    }
+  }
+  auto out = at::empty({q.size(0), num_heads, D}, q.options());
+  at::Tensor part_acc, part_ml;
+  float* pa = nullptr;
+  float* pml = nullptr;
+  if (splits > 1) {
+    auto f32 = q.options().dtype(at::kFloat);
+    part_acc = at::empty({q.size(0) * num_heads * splits, D}, f32);
+    part_ml = at::zeros({q.size(0) * num_heads * splits, 2}, f32);  // untouched (no tile) = empty
+    pa = part_acc.data_ptr<float>();
+    pml = part_ml.data_ptr<float>();
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    attention<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_cache.data_ptr<scalar_t>(),
+                        v_cache.data_ptr<scalar_t>(), k_cache.stride(0), k_cache.stride(1),
+                        block_tables.data_ptr<int32_t>(), block_tables.stride(0), tiles, num_kv_heads, group, D,
+                        block_size, splits, static_cast<float>(scale), out.data_ptr<scalar_t>(), pa, pml,
+                        max_rows);
+    if (splits > 1) merge_splits<scalar_t>(pa, pml, out.data_ptr<scalar_t>(), q.size(0) * num_heads, splits, D);
+  });
+  return out;
+}
+
+TORCH_LIBRARY(pagedserve, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale, int query_tile, int splits) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,130 @@
+"""The step-cost model (fit, inverse query) and the scheduler's time budget for prefill (no model)."""
+
+import random
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_scheduler import EOS, step
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.sampling_params import SamplingParams
+from engine.scheduler import MIN_PREFILL_TOKENS, Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from engine.step_cost import DEFAULT_TARGET_FACTOR, StepCostModel, StepShape
+
+
+def fitted(coef) -> StepCostModel:
+    model = StepCostModel()
+    model.coef = np.array(coef, dtype=float)
+    return model
+
+
+def test_fit_recovers_the_cost_of_each_part():
+    rng = random.Random(0)
+    truth = np.array([3.0, 0.05, 0.4, 0.002])
+    model = StepCostModel()
+    assert model.prefill_tokens_within(100.0, 4, 400) is None  # nothing measured: no time limit
+    for _ in range(200):
+        shape = StepShape(rng.choice([0, 0, 16, 256, 2048]), rng.randint(0, 64), 0)
+        shape = StepShape(shape.prefill_tokens, shape.decode_seqs, shape.decode_seqs * rng.randint(10, 900))
+        noise = 1 + 0.03 * rng.uniform(-1, 1)
+        model.observe(shape, float(np.dot(truth, shape.row())) * noise)
+    np.testing.assert_allclose(model.coef, truth, rtol=0.15, atol=0.3)
+    assert "prefill_tokens" in model.describe()
+
+
+def test_fit_waits_for_steps_with_and_without_prefill():
+    model = StepCostModel()
+    for _ in range(20):
+        model.observe(StepShape(0, 8, 800), 10.0)  # decodes only: prefill cost unknown
+    assert model.coef is None
+    for n in (64, 128, 256):
+        model.observe(StepShape(n, 8, 800), 10.0 + 0.1 * n)
+    assert model.coef is not None and model.coef[1] > 0
+
+
+def test_prefill_tokens_within_target():
+    model = fitted([2.0, 0.1, 0.5, 0.01])  # decodes: 2 + 0.5 * 10 + 0.01 * 1000 = 17 ms
+    assert model.prefill_tokens_within(57.0, 10, 1000) == 400
+    assert model.prefill_tokens_within(10.0, 10, 1000) == 0  # the decodes alone exceed it
+    assert model.prefill_tokens_within(None, 10, 1000) == int((DEFAULT_TARGET_FACTOR - 1) * 17 / 0.1)
+    assert model.prefill_tokens_within(None, 0, 0) is None  # no decodes to protect: the token budget rules
+
+
+def test_time_budget_chunks_prefill_next_to_decodes():
+    bm = BlockManager(256, 4, True)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_step_ms=20.0), bm,
+                  fitted([0.0, 0.1, 1.0, 0.0]))
+    decoders = [Sequence(i, f"d{i}", [1, 2], SamplingParams(max_tokens=50), 50, frozenset({EOS})) for i in range(10)]
+    for q in decoders:
+        s.add(q)
+    step(s)  # prefills the 10 short prompts (no decodes yet: decodes cost 0, budget 200 tokens >= 20)
+    long = Sequence(99, "long", list(range(1, 301)), SamplingParams(max_tokens=2), 2, frozenset({EOS}))
+    s.add(long)
+    out = step(s)  # 10 decodes cost 10 ms: 100 prefill tokens fit in 20 ms
+    assert sorted(out.num_new_tokens) == [1] * 10 + [100]
+    out = step(s)
+    assert sorted(out.num_new_tokens) == [1] * 10 + [100]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abort"]),
+                           st.integers(1, 80), st.integers(1, 12), st.integers(0, 10**6)),
+                 min_size=1, max_size=60),
+    num_blocks=st.integers(16, 60),
+    block_size=st.sampled_from([1, 4, 16]),
+    budget=st.integers(4, 128),
+    max_num_seqs=st.integers(1, 8),
+    coef=st.tuples(st.floats(0, 5), st.floats(0.01, 1), st.floats(0, 3), st.floats(0, 0.05)),
+    target=st.one_of(st.none(), st.floats(0.5, 200)),
+)
+def test_time_budget_keeps_the_scheduler_invariants(ops, num_blocks, block_size, budget, max_num_seqs, coef,
+                                                    target):
+    model = fitted(coef)
+    s = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_step_ms=target),
+                  BlockManager(num_blocks, block_size, True), model)
+    capacity = num_blocks * block_size
+    rng = random.Random(0)
+    seqs, aborted = [], set()
+
+    def token(q):
+        return EOS if rng.random() < 0.05 else rng.randint(1, 3)
+
+    def checked_step():
+        decodes = [q.num_tokens for q in s.running if q.num_tokens - q.num_computed_tokens == 1]
+        fit = model.prefill_tokens_within(target, len(decodes), sum(decodes))
+        limit = budget if fit is None else max(fit, MIN_PREFILL_TOKENS)
+        oldest_prefill = next((q for q in s.running if q.num_tokens - q.num_computed_tokens > 1), None)
+        out = step(s, token)
+        assert sum(out.num_new_tokens) <= budget and len(out.seqs) <= max_num_seqs
+        assert all(n >= 1 for n in out.num_new_tokens)
+        assert sum(n for n in out.num_new_tokens if n > 1) <= limit  # within the time budget (or the minimum)
+        if oldest_prefill is not None and not out.num_preempted and oldest_prefill.status is SequenceStatus.RUNNING:
+            assert oldest_prefill in out.seqs  # the oldest waiting prompt always advances
+
+    for op, length, max_tokens, pick in ops:
+        if op == "add":
+            length = min(length, capacity - max_tokens)
+            q = Sequence(len(seqs), f"r{len(seqs)}", [1 + (pick + i) % 3 for i in range(length)],
+                         SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({EOS}))
+            seqs.append(q)
+            s.add(q)
+        elif op == "abort" and seqs:
+            q = seqs[pick % len(seqs)]
+            if s.abort(q.request_id) is not None:
+                aborted.add(q.seq_id)
+        else:
+            checked_step()
+    for _ in range(20_000):
+        if not s.has_unfinished():
+            break
+        checked_step()
+    assert not s.has_unfinished(), "a request got stuck"
+    assert s.block_manager.num_used_blocks == 0
+    for q in seqs:
+        assert q.is_finished
+        if q.seq_id not in aborted and q.status is SequenceStatus.FINISHED_LENGTH:
+            assert q.num_output_tokens == q.max_tokens
