@@ -18,6 +18,7 @@ from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.model_runner import ModelRunner, StepInput
 from engine.models.llama import LlamaModel
 from engine.models.loader import build_model, load_config
+from engine.quant.loading import QuantSpec
 from engine.sampler import SampleRequest, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -94,7 +95,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         torch.manual_seed(config.seed)
         if model is None:
-            model = build_model(model_path, self.model_config, self.dtype, self.device, max_len, config.seed)
+            quant = QuantSpec.from_options(config.quantization, config.quant_group_size, config.quantize_lm_head)
+            model = build_model(model_path, self.model_config, self.dtype, self.device, max_len, config.seed, quant)
         elif model.rope.max_positions < max_len:
             raise ValueError(f"the given model was built for {model.rope.max_positions} positions < {max_len}")
         self.runner = ModelRunner(config, self.model_config, model, self.device, self.dtype)
