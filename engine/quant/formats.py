@@ -3,13 +3,13 @@
 Every format stores rows (output features) independently, so fused projections are row concatenations
 and llama.cpp's q/k row permutation applies to codes and scales alike.
 
-| format        | storage                                   | bits/weight (scales incl.) | CPU kernel, small M        |
-|---------------|-------------------------------------------|----------------------------|----------------------------|
-| `int8`        | int8 [N, K], one scale per row            | 8 + 16/K                   | `_weight_int8pack_mm`      |
-| `int8-tensor` | int8 [N, K], one scale                    | 8                          | `_weight_int8pack_mm`      |
-| `int4`        | 4-bit codes, fp16 scale per group of g    | 4 + 16/g (+16/g with zeros)| `_weight_int4pack_mm_for_cpu` |
-| `int4-tensor` | 4-bit codes, one scale                    | 4                          | `_weight_int4pack_mm_for_cpu` |
-| `nf4`         | 4-bit NF4 codebook index, fp16 absmax/64  | 4.25                       | dequantize + GEMM          |
+| format        | storage                                 | bits/weight        | CPU kernel, small M           |
+|---------------|-----------------------------------------|--------------------|-------------------------------|
+| `int8`        | int8 [N, K], fp16 scale per row         | 8 + 16/K           | `_weight_int8pack_mm`         |
+| `int8-tensor` | int8 [N, K], one scale                  | 8                  | `_weight_int8pack_mm`         |
+| `int4`        | 4-bit codes, fp16 scale per group of g  | 4 + 16/g           | `_weight_int4pack_mm_for_cpu` |
+| `int4-tensor` | 4-bit codes, one scale                  | 4                  | `_weight_int4pack_mm_for_cpu` |
+| `nf4`         | 4-bit NF4 level index, fp16 absmax / 64 | 4.25               | dequantize + GEMM             |
 
 Large M (prefill) on CPU and everything on CUDA dequantizes then runs a dense GEMM, except int4 on
 the CPU, whose kernel layout is machine-specific and is the only copy kept (see `Int4Weight`).
@@ -109,7 +109,7 @@ class Int8Weight(QuantWeight):
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, fmt: str = "int8") -> None:
         self.q = q  # int8 [N, K]
-        self.scale = scale  # fp32 [N, G] (G = 1: per row) or [1, 1] (per tensor)
+        self.scale = scale  # fp16 [N, G] (G = 1: per row; 32-blocks from Q8_0), or fp32 [1, 1] per tensor
         self.format = fmt
         self.shape = (q.shape[0], q.shape[1])
         self._kernel_scale: torch.Tensor | None = None
@@ -117,9 +117,11 @@ class Int8Weight(QuantWeight):
     @classmethod
     def quantize(cls, w: torch.Tensor, per_tensor: bool = False) -> Int8Weight:
         w = w.float()
-        absmax = w.abs().max().reshape(1, 1) if per_tensor else w.abs().amax(dim=1, keepdim=True)
-        scale = (absmax / 127).clamp(min=1e-12)
-        q = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
+        if per_tensor:
+            scale = (w.abs().max().reshape(1, 1) / 127).clamp(min=1e-12)
+        else:  # fp16 per row, as stored
+            scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-7).half()
+        q = torch.round(w / scale.float()).clamp(-128, 127).to(torch.int8)
         return cls(q, scale, "int8-tensor" if per_tensor else "int8")
 
     @property
@@ -155,20 +157,18 @@ class Int8Weight(QuantWeight):
         return F.linear(x, self.q.to(x.dtype)) * s
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [self.q, self.scale]
-        if self._kernel_scale is not None and self._kernel_scale.shape[0] > 1 and self.scale.shape[0] == 1:
-            out.append(self._kernel_scale)
-        return out
+        return [self.q, self.scale] + ([self._kernel_scale] if self._kernel_scale is not None else [])
 
     def storage_bits(self) -> int:
         n, k = self.shape
-        scale_bits = 32 if self.format == "int8-tensor" else 16 * self.scale.numel()
+        scale_bits = 32 * self.scale.unique().numel() if self.format == "int8-tensor" else 16 * self.scale.numel()
         return 8 * n * k + scale_bits
 
     @classmethod
     def cat(cls, parts: list[QuantWeight]) -> Int8Weight:
-        if parts[0].format == "int8-tensor":  # one scale per matrix: requantize the fused matrix
-            return cls.quantize(torch.cat([p.dequantize() for p in parts]), per_tensor=True)
+        if parts[0].format == "int8-tensor":  # one scale per original matrix, spelled out per row
+            scale = torch.cat([p.scale.expand(p.shape[0], 1) for p in parts])
+            return cls(torch.cat([p.q for p in parts]), scale, "int8-tensor")
         return cls(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), parts[0].format)
 
     def take_rows(self, rows: torch.Tensor) -> Int8Weight:
@@ -258,14 +258,15 @@ class Int4Weight(QuantWeight):
     def storage_bits(self) -> int:
         n, k = self.shape
         if self.format == "int4-tensor":
-            return 4 * n * k + 32
+            return 4 * n * k + 32 * self.scale.unique().numel()
         per_group = 16 if self.zero is None else 32
         return 4 * n * k + per_group * n * (k // self.group)
 
     @classmethod
     def cat(cls, parts: list[QuantWeight]) -> Int4Weight:
-        if parts[0].format == "int4-tensor":
-            return cls.quantize(torch.cat([p.dequantize() for p in parts]), 0, per_tensor=True)
+        if parts[0].format == "int4-tensor":  # one scale per original matrix, spelled out per row
+            scale = torch.cat([p.scale.expand(p.shape[0], 1) for p in parts])
+            return cls(torch.cat([p.codes for p in parts]), scale, None, "int4-tensor", parts[0].shape[1])
         if len({p.group for p in parts}) != 1 or len({p.zero is None for p in parts}) != 1:
             raise ValueError("cannot fuse int4 weights with different groups or zero-point use")
         zero = None if parts[0].zero is None else torch.cat([p.zero for p in parts])

@@ -65,9 +65,9 @@ class GGUFBlocks:
     def direct(self, fmt: str, group: int, embedding: bool = False) -> QuantWeight | None:
         """Our storage holding exactly these values, where the layout allows; else None."""
         n, k = self.shape
-        raw = torch.from_numpy(np.ascontiguousarray(self.data)).view(n, k // 32, -1)
+        raw = torch.from_numpy(np.array(self.data)).view(n, k // 32, -1)
         if self.kind == "Q8_0" and embedding:  # [d: fp16][32 x int8]
-            d = raw[:, :, :2].contiguous().view(torch.float16).float().view(n, k // 32)
+            d = raw[:, :, :2].contiguous().view(torch.float16).view(n, k // 32)
             q = raw[:, :, 2:].contiguous().view(torch.int8).reshape(n, k)
             return Int8Weight(q, d, "int8")
         if self.kind in ("Q4_0", "Q4_1") and fmt == "int4" and group == 32:
