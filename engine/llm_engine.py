@@ -60,6 +60,8 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first; on the first output
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -68,6 +70,12 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     stop: StopStringMatcher
     sample: SampleRequest
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled as the prompt is computed
+    prompt_logprobs_sent: bool = False
+
+    def add_prompt_logprobs(self, start: int, entries: list[TokenLogprob]) -> None:
+        """Entries for prompt tokens start+1...; a recompute after preemption overwrites equal values."""
+        self.prompt_logprobs[start + 1:start + 1 + len(entries)] = entries
 
 
 class LLMEngine:
@@ -141,7 +149,7 @@ class LLMEngine:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + max_tokens > self.max_model_len or max_tokens < 1:
+        if n + max_tokens > self.max_model_len or (max_tokens < 1 and params.max_tokens is None):
             raise ContextLengthExceededError(n, max(max_tokens, 1), self.max_model_len)
         return max_tokens
 
@@ -158,6 +166,8 @@ class LLMEngine:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         req = _Request(seq, IncrementalDetokenizer(self._detok_tokenizer, ids), StopStringMatcher(params.stop),
                        SampleRequest(params, [], generator))
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
         with self._lock:
             if request_id in self._requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -193,10 +203,18 @@ class LLMEngine:
             if r.sample.params.needs_penalties:
                 r.sample.output_token_ids = r.seq.output_token_ids
         sample = [r.sample if want else None for r, want in zip(reqs, sched.sample)]
-        sampled, logprobs = self.runner.run(StepInput(sched.seqs, sched.num_new_tokens, sample))
+        sampled, logprobs, prompt_lps = self.runner.run(StepInput(sched.seqs, sched.num_new_tokens, sample))
+        for i, (start, entries) in prompt_lps.items():
+            reqs[i].add_prompt_logprobs(start, entries)
+        # max_tokens=0 (prompt scoring): the prompt is done, nothing is generated
+        prompt_only = [r for i, r in enumerate(reqs) if r.seq.max_tokens == 0 and sampled[i] is not None]
+        sampled = [None if r.seq.max_tokens == 0 else t for r, t in zip(reqs, sampled)]
         lp_of = {s.seq_id: lp for s, lp in zip(sched.seqs, logprobs) if lp is not None}
         for seq in self.scheduler.update(sched, sampled):
             outputs.append(self._emit(self._requests[seq.request_id], lp_of.get(seq.seq_id)))
+        for r in prompt_only:
+            self.scheduler.finish(r.seq, SequenceStatus.FINISHED_LENGTH)
+            outputs.append(self._finish_output(r, [], "", []))
         return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:
@@ -234,6 +252,9 @@ class LLMEngine:
     @staticmethod
     def _output(req: _Request, tokens: list[int], text: str, lps: list) -> RequestOutput:
         seq = req.seq
+        prompt_lps = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and (tokens or seq.is_finished):
+            prompt_lps, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=tokens,
@@ -246,6 +267,7 @@ class LLMEngine:
             metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
                                    seq.finish_time),
             logprobs=lps,
+            prompt_logprobs=prompt_lps,
         )
 
 
@@ -259,6 +281,7 @@ class GenerationResult:
     num_cached_tokens: int
     metrics: RequestMetrics | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -290,6 +313,8 @@ class LLM:
                 res.text += out.text
                 res.token_ids.extend(out.new_token_ids)
                 res.logprobs.extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    res.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     res.finish_reason, res.num_cached_tokens, res.metrics = (
                         out.finish_reason, out.num_cached_tokens, out.metrics)

@@ -107,7 +107,8 @@ class Scheduler:
                 if budget <= 0 and self.config.policy == "continuous":
                     break
                 seq = self.waiting[0]
-                cached = bm.find_cached_prefix(seq)
+                # prompt logprobs need every prompt position computed: no prefix-cache hit (as vLLM)
+                cached = bm.find_cached_prefix(seq) if seq.params.prompt_logprobs is None else []
                 n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
                 if not bm.can_allocate(seq, n, cached):
                     break  # FCFS: nobody overtakes the head of the queue

@@ -8,8 +8,20 @@ import pytest
 import torch
 
 from engine.config import cpu_has_fast_bf16
-from engine.quant.formats import (FORMATS, INT8_PACKED_MAX_M, NF4_LEVELS, Int4Weight, Int8Weight, NF4Weight,
-                                  cat, default_group_size, pack_nibbles, quantize, relative_error, unpack_nibbles)
+from engine.quant.formats import (
+    FORMATS,
+    INT8_PACKED_MAX_M,
+    NF4_LEVELS,
+    Int4Weight,
+    Int8Weight,
+    NF4Weight,
+    cat,
+    default_group_size,
+    pack_nibbles,
+    quantize,
+    relative_error,
+    unpack_nibbles,
+)
 
 ACT_DTYPES = [torch.float32] + ([torch.bfloat16] if cpu_has_fast_bf16() else [])
 # relative error of a kernel's x @ W^T against x @ dequantize(W)^T: fp32 accumulation-order noise, or bf16
