@@ -85,6 +85,18 @@ class GGUFBlocks:
         return None
 
 
+def quantize_tensor(t: torch.Tensor | GGUFBlocks, spec: QuantSpec, group: int, embedding: bool = False) -> QuantWeight:
+    """One checkpoint tensor -> storage: GGUF blocks directly where the layout allows, else quantized
+    (embeddings: int8 rows)."""
+    if isinstance(t, GGUFBlocks):
+        qw = t.direct(spec.format, group, embedding)
+        if qw is not None:
+            qw.from_blocks = True
+            return qw
+        t = t.dequantize()
+    return Int8Weight.quantize(t) if embedding else quantize(t, spec.format, group)
+
+
 def _fused_table(model) -> dict[str, tuple[str, int, int]]:
     """HF projection name -> (our fused module suffix, piece index, number of pieces)."""
     return {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3),
@@ -125,14 +137,9 @@ def load(model, weights: Iterable[tuple[str, torch.Tensor | GGUFBlocks]], spec: 
     stats = {"direct": 0, "quantized": 0}
 
     def to_quant(t, embedding: bool = False) -> QuantWeight:
-        if isinstance(t, GGUFBlocks):
-            q = t.direct(spec.format, group, embedding)
-            if q is not None:
-                stats["direct"] += 1
-                return q
-            t = t.dequantize()
-        stats["quantized"] += 1
-        return Int8Weight.quantize(t) if embedding else quantize(t, spec.format, group)
+        qw = quantize_tensor(t, spec, group, embedding)
+        stats["direct" if isinstance(t, GGUFBlocks) and getattr(qw, "from_blocks", False) else "quantized"] += 1
+        return qw
 
     def rest() -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in weights:
