@@ -172,7 +172,8 @@ def test_int8_engine_agrees_with_unquantized(make_engine, int8_engine, smollm, c
     assert isinstance(model.embed_tokens, QuantEmbedding)
     assert isinstance(model.embed_tokens.qweight, Int8Weight) and model.embed_tokens.qweight.group == 32  # Q8_0
     sizes = weight_bytes_by_format(model)
-    assert sizes["int8"] / 2**20 < 170 and sum(sizes.values()) < 0.35 * sum(weight_bytes_by_format(smollm.model).values())
+    dense = sum(weight_bytes_by_format(smollm.model).values())
+    assert sizes["int8"] / 2**20 < 170 and sum(sizes.values()) < 0.35 * dense
 
     prompts = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
                "Water boils at", "The three primary colors are", "My favourite book is"]
