@@ -185,6 +185,13 @@ class EngineConfig:
     cuda_graphs: bool = opt(True, "capture decode steps as CUDA graphs (CUDA + Triton backend)")
     max_model_len: int | None = opt(None, "context length (default: the model's)")
     seed: int = opt(0, "seed for random weights and unseeded sampling")
+    quantization: str = opt("none", "weight format: none, int8 (per row), int4 (per group), nf4, or the per-tensor "
+                            "int8-tensor / int4-tensor", choices=("none", "int8", "int4", "nf4", "int8-tensor",
+                                                                  "int4-tensor"))
+    quant_group_size: int | None = opt(None, "int4 group size along the input dim, 32/64/128/256 (default: 32 "
+                                             "for a GGUF of Q4 blocks, else the largest of 128/64/32 dividing "
+                                             "every matrix)")
+    quantize_lm_head: bool | None = opt(None, "quantize the LM head and embeddings too (default: on for int8)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -19,6 +19,7 @@ from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.model_runner import ModelRunner, StepInput
 from engine.models.llama import LlamaModel
 from engine.models.loader import build_model, load_config
+from engine.quant.loading import QuantSpec
 from engine.sampler import SampleRequest, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -61,6 +62,8 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first; on the first output
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -74,6 +77,12 @@ class _Request:
     held_logprobs: deque[tuple[int, TokenLogprob]] = field(default_factory=deque)
     text_fed: int = 0  # characters of output text given to the stop matcher
     text_sent: int = 0  # of which released
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled as the prompt is computed
+    prompt_logprobs_sent: bool = False
+
+    def add_prompt_logprobs(self, start: int, entries: list[TokenLogprob]) -> None:
+        """Entries for prompt tokens start+1...; a recompute after preemption overwrites equal values."""
+        self.prompt_logprobs[start + 1:start + 1 + len(entries)] = entries
 
 
 class LLMEngine:
@@ -101,7 +110,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         torch.manual_seed(config.seed)
         if model is None:
-            model = build_model(model_path, self.model_config, self.dtype, self.device, max_len, config.seed)
+            quant = QuantSpec.from_options(config.quantization, config.quant_group_size, config.quantize_lm_head)
+            model = build_model(model_path, self.model_config, self.dtype, self.device, max_len, config.seed, quant)
         elif model.rope.max_positions < max_len:
             raise ValueError(f"the given model was built for {model.rope.max_positions} positions < {max_len}")
         self.runner = ModelRunner(config, self.model_config, model, self.device, self.dtype)
@@ -170,7 +180,7 @@ class LLMEngine:
         if n == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + max_tokens > self.max_model_len or max_tokens < 1:  # before the O(n) scan below
+        if n + max_tokens > self.max_model_len or (max_tokens < 1 and params.max_tokens is None):  # before O(n)
             raise ContextLengthExceededError(n, max(max_tokens, 1), self.max_model_len)
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
@@ -193,6 +203,8 @@ class LLMEngine:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         req = _Request(seq, IncrementalDetokenizer(self._detok_tokenizer, ids), StopStringMatcher(params.stop),
                        SampleRequest(params, [], generator))
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
         with self._lock:
             if request_id in self._requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -233,11 +245,19 @@ class LLMEngine:
         shape = StepShape.of(sched.num_new_tokens, [s.num_computed_tokens + n for s, n in
                                                     zip(sched.seqs, sched.num_new_tokens)])
         t0 = time.perf_counter()
-        sampled, logprobs = self.runner.run(StepInput(sched.seqs, sched.num_new_tokens, sample))
+        sampled, logprobs, prompt_lps = self.runner.run(StepInput(sched.seqs, sched.num_new_tokens, sample))
         self.cost_model.observe(shape, (time.perf_counter() - t0) * 1e3)
+        for i, (start, entries) in prompt_lps.items():
+            reqs[i].add_prompt_logprobs(start, entries)
+        # max_tokens=0 (prompt scoring): the prompt is done, nothing is generated
+        prompt_only = [r for i, r in enumerate(reqs) if r.seq.max_tokens == 0 and sampled[i] is not None]
+        sampled = [None if r.seq.max_tokens == 0 else t for r, t in zip(reqs, sampled)]
         lp_of = {s.seq_id: lp for s, lp in zip(sched.seqs, logprobs) if lp is not None}
         for seq in self.scheduler.update(sched, sampled):
             outputs.append(self._emit(self._requests[seq.request_id], lp_of.get(seq.seq_id)))
+        for r in prompt_only:
+            self.scheduler.finish(r.seq, SequenceStatus.FINISHED_LENGTH)
+            outputs.append(self._finish_output(r, [], "", []))
         return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:
@@ -293,6 +313,9 @@ class LLMEngine:
     @staticmethod
     def _output(req: _Request, tokens: list[int], text: str, lps: list) -> RequestOutput:
         seq = req.seq
+        prompt_lps = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and (tokens or seq.is_finished):
+            prompt_lps, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=tokens,
@@ -305,6 +328,7 @@ class LLMEngine:
             metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
                                    seq.finish_time),
             logprobs=lps,
+            prompt_logprobs=prompt_lps,
         )
 
 
@@ -318,6 +342,7 @@ class GenerationResult:
     num_cached_tokens: int
     metrics: RequestMetrics | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -370,6 +395,8 @@ class LLM:
                 res.text += out.text
                 res.token_ids.extend(out.new_token_ids)
                 res.logprobs.extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    res.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     res.finish_reason, res.num_cached_tokens, res.metrics = (
                         out.finish_reason, out.num_cached_tokens, out.metrics)

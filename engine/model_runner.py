@@ -10,6 +10,7 @@ import torch
 from engine.attention import AttentionMetadata, get_backend
 from engine.config import EngineConfig, ModelConfig, dtype_size
 from engine.models.llama import LlamaModel
+from engine.prompt_logprobs import prompt_logprobs
 from engine.sampler import Sampler, SampleRequest, TokenLogprob
 from engine.sequence import Sequence
 
@@ -94,8 +95,10 @@ class ModelRunner:
 
     # ---- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, step: StepInput) -> tuple[list[int | None], list[TokenLogprob | None]]:
-        """Forward the scheduled tokens; return a sampled token (or None) per scheduled sequence."""
+    def run(self, step: StepInput) -> tuple[list[int | None], list[TokenLogprob | None],
+                                            dict[int, tuple[int, list[TokenLogprob]]]]:
+        """Forward the scheduled tokens; return a sampled token (or None) per scheduled sequence, and for
+        sequences that want prompt logprobs {index: (first prompt position scored, entries)}."""
         # decodes first: the backends batch them as one block
         order = sorted(range(len(step.seqs)), key=lambda i: step.num_new_tokens[i] != 1)
         input_ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
@@ -117,18 +120,33 @@ class ModelRunner:
 
         # logits only at each sampling sequence's last scheduled token
         ends = host.query_start_loc[1:].tolist()  # one conversion, not a tensor index per sequence
+        prompt_lps = self._prompt_logprobs(step, order, ends, hidden)
         sampling = [(ends[j] - 1, i) for j, i in enumerate(order) if step.sample_requests[i] is not None]
         sampled: list[int | None] = [None] * len(step.seqs)
         logprobs: list[TokenLogprob | None] = [None] * len(step.seqs)
         if not sampling:
-            return sampled, logprobs
+            return sampled, logprobs, prompt_lps
         rows = torch.tensor([row for row, _ in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         tokens, lps = self.sampler(logits, [step.sample_requests[i] for _, i in sampling])
         for (_, i), tok, lp in zip(sampling, tokens, lps):
             sampled[i] = tok
             logprobs[i] = lp
-        return sampled, logprobs
+        return sampled, logprobs, prompt_lps
+
+    def _prompt_logprobs(self, step: StepInput, order: list[int], ends: list[int],
+                         hidden) -> dict[int, tuple[int, list[TokenLogprob]]]:
+        out = {}
+        for j, i in enumerate(order):
+            seq, n = step.seqs[i], step.num_new_tokens[i]
+            start = seq.num_computed_tokens
+            stop = min(start + n, seq.num_prompt_tokens - 1)  # the last prompt position scores the output
+            if seq.params.prompt_logprobs is None or stop <= start:
+                continue
+            row = ends[j] - n
+            out[i] = (start, prompt_logprobs(self.model, hidden[row:row + stop - start],
+                                             seq.token_ids[start + 1:stop + 1], seq.params.prompt_logprobs))
+        return out
 
     def _metadata(self, positions: list[int], query_lens: list[int], seq_lens: list[int],
                   tables: list[list[int]]) -> AttentionMetadata:

@@ -28,14 +28,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus the top k
     cache_salt: str | None = None  # requests share prefix-cache blocks only with requests of the same salt
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (max_tokens may be 0)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        floor = 0 if self.prompt_logprobs is not None else 1  # 0: score the prompt, generate nothing
+        if self.max_tokens is not None and self.max_tokens < floor:
+            raise InvalidRequestError(f"max_tokens must be at least {floor}"
+                                      f"{' (0 only with prompt_logprobs)' if floor else ''}, got {self.max_tokens}",
+                                      "max_tokens")
         if not 0.0 <= self.temperature <= 2.0:
             raise InvalidRequestError(
                 f"temperature must be in [0, 2], got {self.temperature}", "temperature"
@@ -56,8 +60,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= 20:
+                raise InvalidRequestError(f"{name} must be in [0, 20], got {k}", name)
 
     @property
     def greedy(self) -> bool:

@@ -122,7 +122,8 @@ class Scheduler:
                 if (budget <= 0 or prefill_budget <= 0) and self.config.policy == "continuous":
                     break
                 seq = self.waiting[0]
-                cached = bm.find_cached_prefix(seq)
+                # prompt logprobs need every prompt position computed: no prefix-cache hit (as vLLM)
+                cached = bm.find_cached_prefix(seq) if seq.params.prompt_logprobs is None else []
                 n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
                 n = min(n, prefill_budget) if n > 1 else n
                 prefill_budget -= n

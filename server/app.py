@@ -224,6 +224,8 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
         aeng = _admit(body, count=len(prompts) * body.n)
         engine = aeng.engine
         salt = _cache_salt(body, raw, config)
+        # echo + logprobs scores the prompt too (lm-evaluation-harness's loglikelihood), as vLLM does
+        score_prompt = body.logprobs if body.echo and body.logprobs is not None else None
 
         def build():  # in a worker thread: tokenizing is O(prompt size)
             for p in prompts:  # refuse what cannot fit before tokenizing anything
@@ -233,7 +235,9 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
             for p in prompts:
                 ids = engine.tokenize(p) if isinstance(p, str) else p
                 total_tokens += len(ids)
-                jobs += [(ids, _params(body, body.max_tokens or 16, body.logprobs, i, salt)) for i in range(body.n)]
+                max_tokens = 16 if body.max_tokens is None else body.max_tokens
+                jobs += [(ids, _params(body, max_tokens, body.logprobs, i, salt, prompt_logprobs=score_prompt))
+                         for i in range(body.n)]
             return total_tokens, jobs
 
         prompt_tokens, jobs = await _build_or_release(aeng, len(prompts) * body.n, build)
@@ -245,12 +249,14 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(_completion_chunks(streams, rid, created, config.served_model_name, prompt_tokens,
-                                           include_usage, tokenizer, body.logprobs is not None, echo))
+                                           include_usage, tokenizer, body.logprobs is not None, echo,
+                                           [ids for ids, _ in jobs]))
         outs = await _collect(streams, raw, state)
         choices = [{
             "index": i, "text": echo[i] + o["text"],
-            "logprobs": (_completion_logprobs(tokenizer, o["logprobs"], len(echo[i]))
-                         if body.logprobs is not None else None),
+            "logprobs": (_completion_logprobs(
+                tokenizer, _with_prompt(jobs[i][0], o["prompt_logprobs"], o["logprobs"]),
+                0 if o["prompt_logprobs"] is not None else len(echo[i])) if body.logprobs is not None else None),
             "finish_reason": o["finish_reason"],
         } for i, o in enumerate(outs)]
         return {"id": rid, "object": "text_completion", "created": created, "model": config.served_model_name,
@@ -309,7 +315,8 @@ def _overloaded(e: OverloadedError) -> APIError:
                     headers={"Retry-After": str(seconds), "retry-after-ms": str(int(seconds * 1000))})
 
 
-def _params(body, max_tokens: int | None, logprobs: int | None, index: int, salt: str | None) -> SamplingParams:
+def _params(body, max_tokens: int | None, logprobs: int | None, index: int, salt: str | None,
+            prompt_logprobs: int | None = None) -> SamplingParams:
     seed = None
     if body.seed is not None:  # n choices differ but stay reproducible; wrap to stay a valid 64-bit seed
         seed = body.seed + index
@@ -328,6 +335,7 @@ def _params(body, max_tokens: int | None, logprobs: int | None, index: int, salt
             frequency_penalty=body.frequency_penalty,
             logprobs=logprobs,
             cache_salt=salt,
+            prompt_logprobs=prompt_logprobs,
         )
     except InvalidRequestError as e:
         raise APIError(400, e.message, param=e.param) from e
@@ -400,7 +408,8 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 async def _collect(streams: list[RequestStream], raw: Request, state: _State) -> list[dict[str, Any]]:
     """Run to completion, watching for a client that hangs up (then abort and free everything)."""
-    outs = [{"text": "", "tokens": [], "logprobs": [], "finish_reason": None} for _ in streams]
+    outs = [{"text": "", "tokens": [], "logprobs": [], "prompt_logprobs": None, "finish_reason": None}
+            for _ in streams]
 
     async def consume() -> None:
         async for i, out in _merge(streams):
@@ -408,6 +417,8 @@ async def _collect(streams: list[RequestStream], raw: Request, state: _State) ->
             o["text"] += out.text
             o["tokens"] += out.new_token_ids
             o["logprobs"] += out.logprobs
+            if out.prompt_logprobs is not None:
+                o["prompt_logprobs"] = out.prompt_logprobs
             if out.finished:
                 o["finish_reason"] = out.finish_reason
 
@@ -474,7 +485,7 @@ def _chat_chunks(streams, rid, created, model, prompt_tokens, include_usage, tok
 
 
 def _completion_chunks(streams, rid, created, model, prompt_tokens, include_usage, tokenizer, want_logprobs,
-                       echo):
+                       echo, prompt_ids):
     def chunk(i: int, text: str, finish: str | None = None, logprobs=None) -> str:
         return json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model,
                            "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
@@ -488,9 +499,13 @@ def _completion_chunks(streams, rid, created, model, prompt_tokens, include_usag
         async for i, out in _merge(streams):
             completion_tokens += len(out.new_token_ids)
             lp = None
-            if want_logprobs and out.logprobs:
-                lp = _completion_logprobs(tokenizer, out.logprobs, offsets[i])
-                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            if want_logprobs:
+                if out.prompt_logprobs is not None:  # the echoed prompt's own entries come first, from offset 0
+                    offsets[i] = 0
+                lps = _with_prompt(prompt_ids[i], out.prompt_logprobs, out.logprobs)
+                if lps:
+                    lp = _completion_logprobs(tokenizer, lps, offsets[i])
+                    offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             if out.text or lp or out.finished:
                 yield chunk(i, out.text, out.finish_reason if out.finished else None, lp)
         if include_usage:
@@ -516,11 +531,20 @@ def _chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
     return [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]} for x in lps]
 
 
+def _with_prompt(prompt_ids: list[int], prompt_lps, lps: list[TokenLogprob]) -> list:
+    """Echoed prompt entries (token id, or None for the first token, which has no logprob) + generated ones."""
+    if prompt_lps is None:
+        return lps
+    return [x if x is not None else TokenLogprob(t, None, None) for t, x in zip(prompt_ids, prompt_lps)] + lps
+
+
 def _completion_logprobs(tokenizer, lps: list[TokenLogprob], start: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy shape; an echoed first prompt token has null logprob and null top_logprobs."""
     tokens = [_piece(tokenizer, x.token_id) for x in lps]
     offsets, pos = [], start
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
     return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [{_piece(tokenizer, t): v for t, v in x.top} for x in lps], "text_offset": offsets}
+            "top_logprobs": [None if x.top is None else {_piece(tokenizer, t): v for t, v in x.top} for x in lps],
+            "text_offset": offsets}

@@ -1,4 +1,4 @@
-"""`pagedserve serve | generate | chat | bench`."""
+"""`pagedserve serve | generate | chat | bench | eval | plan`."""
 
 from __future__ import annotations
 
@@ -168,6 +168,14 @@ def main(argv: list[str] | None = None) -> None:
 
         bench_main(argv[1:])
         return
+    if argv and argv[0] in ("eval", "plan"):  # quality harness / memory planner: their own argument lists
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if argv[0] == "eval":
+            from engine.quant.eval import main as sub_main
+        else:
+            from engine.quant.plan import main as sub_main
+        sub_main(argv[1:])
+        return
     ap = argparse.ArgumentParser(prog="pagedserve", description="A small, fast LLM serving engine.")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -199,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(func=cmd_chat)
 
     sub.add_parser("bench", help="load-test an OpenAI-compatible server (pagedserve bench --help)")
+    sub.add_parser("eval", help="quality of quantized weights: perplexity, battery, agreement (eval --help)")
+    sub.add_parser("plan", help="memory planner: weights + KV cache -> resident tokens (plan --help)")
 
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -55,7 +55,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")  # like vLLM: unknown fields are ignored, not an error
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: completions with echo + logprobs only
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # extension

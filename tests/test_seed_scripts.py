@@ -19,6 +19,7 @@ from benchmarks.seed import (
     batching,
     kv_cache,
     kv_memory,
+    outliers,
     prefill_decode,
     prefix_caching,
     static_vs_continuous,
@@ -52,6 +53,14 @@ def test_kv_memory(tmp_path):
     qwen = next(row for row in r["shapes"] if row["model"] == "qwen2.5-0.5b")
     assert qwen["measured_bytes_per_token"] == qwen["formula_bytes_per_token"] == 12288
     assert {row["blocks"] for row in r["same_total"]["rows"]} == {4096}
+
+
+def test_outliers(tmp_path):
+    r = _run(outliers, tmp_path)
+    assert r["tokens"] == 24 and sum(b["count"] for b in r["histogram"]["bins"]) == r["hidden"]
+    ex = r["int8"]["examples"][0]
+    assert ex["levels_without_top_k"] >= ex["levels"]
+    assert r["weight_outliers"]["max_over_std"] > 6
 
 
 def test_kv_cache(tmp_path):

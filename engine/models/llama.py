@@ -179,7 +179,7 @@ class LlamaModel(nn.Module):
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head (again after `to_empty`, which unties)."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, Linear):  # not when quantized
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -17,6 +18,11 @@ import torch
 from engine.config import ModelConfig, cpu_has_fast_bf16
 from engine.errors import ModelLoadError
 from engine.models.llama import LlamaModel
+from engine.quant import loading as quant_loading
+from engine.quant.loading import QuantSpec
+from engine.quant.modules import weight_bytes_by_format
+
+logger = logging.getLogger(__name__)
 
 # Published shapes, for speed tests with random weights ("random:<name>").
 RANDOM_SHAPES: dict[str, dict] = {
@@ -93,15 +99,24 @@ def load_config(path: str) -> ModelConfig:
 
 
 def build_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                max_positions: int, seed: int = 0) -> LlamaModel:
+                max_positions: int, seed: int = 0, quant: QuantSpec | None = None) -> LlamaModel:
+    """`quant`: quantize projections (and LM head/embeddings) on load; see engine/quant/loading.py."""
+    kind = model_source(path)
     with torch.device("meta"):  # no throw-away default init: every parameter is written below
         model = LlamaModel(cfg, max_positions).to(dtype)
+    if quant is not None and kind != "random":
+        quant_loading.prepare_modules(model, quant)  # before allocation: no dense copy of those weights
     model.to_empty(device=device)
     model.tie_weights()
     model.rope.build()  # the cos/sin table stays fp32
-    kind = model_source(path)
     if kind == "random":
         model.init_random(seed)
+        if quant is not None:
+            quant_loading.quantize_model(model, quant)
+    elif quant is not None:
+        weights = _gguf_weights(path, cfg, raw=True) if kind == "gguf" else _safetensors_weights(path)
+        group = quant_loading.resolve_group_size(quant, model, kind == "gguf" and _gguf_has_q4(path))
+        quant_loading.load(model, weights, quant, dtype, device, group)
     elif kind == "gguf":
         model.load_weights(_gguf_weights(path, cfg))
     else:
@@ -109,6 +124,9 @@ def build_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     model.eval().requires_grad_(False)
     if device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_fast_bf16():
         model.pack_weights()
+    sizes = weight_bytes_by_format(model)
+    logger.info("weights: %s (%.1f MiB in all)", ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items()),
+                sum(sizes.values()) / 2**20)
     return model
 
 
@@ -174,7 +192,12 @@ def _unpermute_llama(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, head_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_has_q4(path: str) -> bool:
+    return any(t.tensor_type.name in ("Q4_0", "Q4_1") for t in _gguf_reader(path).tensors)
+
+
+def _gguf_weights(path: str, cfg: ModelConfig, raw: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors; with `raw`, Q8_0/Q4_0/Q4_1 matrices come as their blocks (GGUFBlocks)."""
     import gguf
 
     reader = _gguf_reader(path)
@@ -187,6 +210,13 @@ def _gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tens
                 break
         else:
             raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
+        if raw and t.tensor_type.name in quant_loading.GGUF_DIRECT and len(t.shape) == 2:
+            rows = np.arange(int(t.shape[1]))
+            if cfg.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+                rows = _unpermute_llama(rows, cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
+            shape = (int(t.shape[1]), int(t.shape[0]))
+            yield name, quant_loading.GGUFBlocks(t.tensor_type.name, np.asarray(t.data)[rows], shape)
+            continue
         data = gguf.quants.dequantize(t.data, t.tensor_type)
         data = np.array(data, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
         if cfg.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):

@@ -1,0 +1,127 @@
+"""Quantized weights: single-stream decode TPOT, weight MiB and 64-request offline throughput per format.
+
+Same run, same machine, for the machine's best unquantized dtype (`auto`: bf16 on CPUs with AVX512-BF16/AMX)
+and for fp32 (what a CPU without native bf16 runs). Every format is loaded from the same file the way a user
+would (`LLM(quantization=...)`). Ratios are against `none` in the same dtype.
+
+    flock /tmp/pagedserve-bench.lock python benchmarks/quantization.py [--formats none,int8,int4,nf4]
+        [--dtypes auto,float32] [--json out.json]
+
+Bars (issue 10): int8 TPOT <= 0.6x unquantized, int4 <= 0.45x; batched throughput with int8 >= 0.9x.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve a shared machine
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.seed import common  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.config import resolve_dtype  # noqa: E402
+from engine.quant.modules import weight_bytes_by_format  # noqa: E402
+
+TIMING = common.TIMING
+
+
+def cpu_flags() -> str:
+    try:
+        flags = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    line = next((x for x in flags.splitlines() if x.startswith("Flags:")), "")
+    keep = [f for f in line.split() if f.startswith(("avx512", "amx", "avx2", "fma"))]
+    model = next((x.split(":", 1)[1].strip() for x in flags.splitlines() if x.startswith("Model name")), "?")
+    return f"{model}; {' '.join(keep)}"
+
+
+def measure(model: str | None, fmt: str, dtype: str, prompt: list[int], decode_steps: int,
+            batch_prompts: list[list[int]], batch_tokens: int) -> dict:
+    llm = LLM(model, quantization=fmt, dtype=dtype, memory_gib=0.5, enable_prefix_caching=False)
+    eng = llm.engine
+    sizes = weight_bytes_by_format(eng.runner.model)
+    times = common.decode_times(eng, prompt, decode_steps)
+    params = SamplingParams(max_tokens=batch_tokens, temperature=0, ignore_eos=True)
+    llm.generate(batch_prompts[:4], params)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(batch_prompts, params)
+    wall = time.perf_counter() - t0
+    n_out = sum(len(o.token_ids) for o in outs)
+    return {"format": fmt, "dtype": str(eng.dtype).removeprefix("torch."), "weight_mib": sum(sizes.values()) / 2**20,
+            "weight_mib_by_format": {k: v / 2**20 for k, v in sizes.items()},
+            "tpot_ms_median": statistics.median(times) * 1e3, "tpot_ms_min": min(times) * 1e3,
+            "batch_requests": len(batch_prompts), "batch_output_tokens": n_out, "batch_wall_s": wall,
+            "batch_tok_s": n_out / wall}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = common.base_parser(__doc__)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--formats", default="none,int8,int4,nf4")
+    ap.add_argument("--dtypes", default="auto,float32")
+    ap.add_argument("--requests", type=int, default=64)
+    args = ap.parse_args(argv)
+    result = common.setup(args)
+    result["cpu"] = cpu_flags()
+    formats = [f.strip() for f in args.formats.split(",")]
+    dtypes = []
+    for d in args.dtypes.split(","):
+        name = str(resolve_dtype(d.strip(), torch.device("cpu"))).removeprefix("torch.")
+        if name not in dtypes:
+            dtypes.append(name)
+    steps, out_tokens, n_req = (8, 8, 8) if args.quick else (64, 64, args.requests)
+    loaded_tok = common.text_tokenizer()
+    book = list(loaded_tok.encode(" ".join(__import__("benchmarks.workloads", fromlist=["x"]).load_words()[:20000]),
+                                  add_special_tokens=False))
+    prompt = book[:64]
+    lens = [64 + (37 * i) % 192 for i in range(n_req)]  # 64..255 prompt tokens
+    batch_prompts = [book[1000 + 300 * i:1000 + 300 * i + n] for i, n in enumerate(lens)]
+    print(f"CPU: {result['cpu']}\nload average (1 min) at start: {os.getloadavg()[0]:.2f}; "
+          f"torch threads {torch.get_num_threads()}\nsingle stream: 64-token prompt, {steps} decode steps; "
+          f"batch: {n_req} requests x {out_tokens} output tokens (prompts 64-255 tokens), submitted at once")
+    rows = []
+    for dtype in dtypes:
+        for fmt in formats:
+            r = measure(args.model, fmt, dtype, prompt, steps, batch_prompts, out_tokens)
+            rows.append(r)
+            print(f"  {dtype} {fmt}: TPOT {r['tpot_ms_median']:.1f} ms, {r['batch_tok_s']:.0f} tok/s", flush=True)
+    base = {r["dtype"]: r for r in rows if r["format"] == "none"}
+    table = []
+    for r in rows:
+        b = base.get(r["dtype"])
+        r["tpot_ratio"] = r["tpot_ms_median"] / b["tpot_ms_median"] if b else None
+        r["throughput_ratio"] = r["batch_tok_s"] / b["batch_tok_s"] if b else None
+        table.append([r["dtype"], r["format"], f"{r['weight_mib']:.1f}", f"{r['tpot_ms_median']:.1f}",
+                      f"{r['tpot_ratio']:.2f}x" if b else "-", f"{r['batch_tok_s']:.0f}",
+                      f"{r['throughput_ratio']:.2f}x" if b else "-"])
+    common.table(["activations", "weights", "weight MiB", "TPOT ms (median)", "TPOT vs none", "batch tok/s",
+                  "tok/s vs none"], table, "Quantized weights, same run")
+    result["rows"] = rows
+    result["load_avg_end"] = os.getloadavg()[0]
+    print(f"load average (1 min) at end: {result['load_avg_end']:.2f}")
+    checks = {}
+    for r in rows:
+        if r["tpot_ratio"] is None:
+            continue
+        if r["format"] == "int8":
+            checks[f"{r['dtype']} int8 TPOT <= 0.6x"] = (r["tpot_ratio"] <= 0.6, f"{r['tpot_ratio']:.2f}x", TIMING)
+            checks[f"{r['dtype']} int8 batched tok/s >= 0.9x"] = (
+                r["throughput_ratio"] >= 0.9, f"{r['throughput_ratio']:.2f}x", TIMING)
+        if r["format"] == "int4":
+            checks[f"{r['dtype']} int4 TPOT <= 0.45x"] = (r["tpot_ratio"] <= 0.45, f"{r['tpot_ratio']:.2f}x", TIMING)
+        if r["format"] != "none":
+            checks[f"{r['dtype']} {r['format']} uses less weight memory"] = (
+                r["weight_mib"] < base[r["dtype"]]["weight_mib"], f"{r['weight_mib']:.1f} MiB")
+    return common.finish(result, checks, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Quantized weights: formats (engine/quant/formats.py), modules, quantize-on-load, the eval harness."""

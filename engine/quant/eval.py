@@ -1,0 +1,217 @@
+"""`pagedserve eval`: the chapter's quality table, one row per weight format plus the unquantized reference.
+
+Columns: bits/weight (storage, scales included, mean over the projection matrices), resident weight MiB,
+relative weight error ‖W − Ŵ‖/‖W‖ over the projection matrices (mean and worst), perplexity on the first
+`tokens` tokens of a text (through the engine's own prompt logprobs), a battery of 16 short factual questions
+(greedy, answer substring), and agreement: the reference decodes each battery prompt greedily for 9 tokens
+(16 x 9 = 144 positions), and each format, fed the same prefixes, is asked for its top token at each one.
+
+Every format is loaded from the same file the way a user would load it (`quantization=...`). On a GGUF whose
+tensors are already quantized (the bundled SmolLM2 is Q4_1 + Q8_0), the "reference" is that GGUF dequantized:
+it carries the file's own rounding, and int4 with group 32 reproduces it exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engine.quant.formats import FORMATS
+
+BOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                    "benchmarks", "data", "pride_and_prejudice.txt")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AGREEMENT_TOKENS = 9  # per battery prompt: 16 x 9 = 144 positions
+
+# (question, accepted answers); matched case-insensitively as whole words in the greedy reply
+BATTERY: list[tuple[str, tuple[str, ...]]] = [
+    ("What is the capital of France?", ("Paris",)),
+    ("What is the largest planet in our solar system?", ("Jupiter",)),
+    ("How many days are there in a week?", ("seven", "7")),
+    ("At what temperature in degrees Celsius does water freeze?", ("0", "zero")),
+    ("Who wrote Romeo and Juliet?", ("Shakespeare",)),
+    ("What is the chemical symbol for gold?", ("Au",)),
+    ("What is the capital of Japan?", ("Tokyo",)),
+    ("How many legs does a spider have?", ("eight", "8")),
+    ("Which planet is known as the Red Planet?", ("Mars",)),
+    ("Who was the first president of the United States?", ("Washington",)),
+    ("What is the chemical formula of water?", ("H2O", "H₂O")),
+    ("How many continents are there on Earth?", ("seven", "7")),
+    ("What is the capital of Italy?", ("Rome",)),
+    ("What language is mainly spoken in Spain?", ("Spanish",)),
+    ("What gas do plants absorb from the air for photosynthesis?", ("carbon dioxide", "CO2")),
+    ("What is the boiling point of water at sea level in degrees Celsius?", ("100", "one hundred")),
+]
+
+
+@dataclass
+class Row:
+    format: str
+    bits_per_weight: float
+    weight_mib: float
+    rel_error_mean: float
+    rel_error_max: float
+    perplexity: float
+    battery: int
+    agreement: float
+    agreement_positions: int = 0
+    seconds: float = 0.0
+
+
+def weight_errors(model_path: str, fmt: str, group: int) -> tuple[float, float, float]:
+    """(mean, worst) relative error and mean storage bits over the checkpoint's projection matrices,
+    quantized exactly as loading does (GGUF Q4 blocks map directly where the format allows)."""
+    from engine.models import loader
+    from engine.quant.loading import GGUFBlocks, QuantSpec, quantize_tensor
+
+    cfg = loader.load_config(model_path)
+    kind = loader.model_source(model_path)
+    stream = loader._gguf_weights(model_path, cfg, raw=True) if kind == "gguf" else loader._safetensors_weights(
+        model_path)
+    spec = QuantSpec(fmt, group)
+    errs, bits, count = [], 0.0, 0
+    for name, t in stream:
+        if name.split(".")[-2] not in PROJECTIONS or not name.endswith("weight"):
+            continue
+        dense = t.dequantize() if isinstance(t, GGUFBlocks) else t.float()
+        qw = quantize_tensor(t, spec, group)
+        diff = (dense - qw.dequantize()).norm().item()
+        errs.append(diff / max(dense.norm().item(), 1e-30))
+        bits += qw.bits_per_weight * dense.numel()
+        count += dense.numel()
+    return sum(errs) / len(errs), max(errs), bits / count
+
+
+def battery_prompts(tokenizer) -> list[list[int]]:
+    from engine.tokenizer import apply_chat_template
+
+    out = []
+    for q, _ in BATTERY:
+        msgs = [{"role": "user", "content": q + " Answer in a few words."}]
+        if getattr(tokenizer, "chat_template", None):
+            out.append(apply_chat_template(tokenizer, msgs))
+        else:  # a base model: a plain Q/A prompt
+            out.append(tokenizer.encode(f"Question: {q}\nAnswer:", add_special_tokens=False))
+    return out
+
+
+def correct(reply: str, answers: tuple[str, ...]) -> bool:
+    return any(re.search(r"(?<!\w)" + re.escape(a.lower()) + r"(?!\w)", reply.lower()) for a in answers)
+
+
+def evaluate(llm, text_ids: list[int], prompts: list[list[int]], reference_paths: list[list[int]] | None):
+    """(perplexity, battery score, greedy continuations, agreement or None) for one loaded engine."""
+    from engine.sampling_params import SamplingParams
+
+    [scored] = llm.generate([text_ids], SamplingParams(max_tokens=0, prompt_logprobs=0))
+    lps = [e.logprob for e in scored.prompt_logprobs[1:]]
+    ppl = math.exp(-sum(lps) / len(lps))
+    replies = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0))
+    score = sum(correct(r.text, ans) for r, (_, ans) in zip(replies, BATTERY))
+    paths = [r.token_ids for r in llm.generate(prompts, SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0,
+                                                                       ignore_eos=True))]
+    agreement = None
+    if reference_paths is not None:  # teacher-forced: same prefix, does our top-1 match the reference's token?
+        forced = [p + r for p, r in zip(prompts, reference_paths)]
+        outs = llm.generate(forced, SamplingParams(max_tokens=0, prompt_logprobs=1))
+        same = total = 0
+        for p, r, o in zip(prompts, reference_paths, outs):
+            for j, tok in enumerate(r):
+                entry = o.prompt_logprobs[len(p) + j]
+                same += entry.top[0][0] == tok
+                total += 1
+        agreement = (same, total)
+    return ppl, score, paths, agreement
+
+
+def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtype: str,
+        group_size: int | None, log=print) -> list[Row]:
+    from engine.config import bundled_model_path
+    from engine.llm_engine import LLM
+    from engine.quant.loading import QuantSpec, resolve_group_size
+    from engine.quant.modules import weight_bytes_by_format
+
+    model_path = model or bundled_model_path()
+    with open(text_path, encoding="utf-8") as f:
+        text = f.read()
+    rows: list[Row] = []
+    reference_paths = None
+    for fmt in ["none"] + [f for f in formats if f != "none"]:
+        t0 = time.perf_counter()
+        llm = LLM(model_path, quantization=fmt, quant_group_size=group_size, dtype=dtype,
+                  max_num_batched_tokens=max(2048, tokens), memory_gib=0.5)
+        tok = llm.tokenizer
+        text_ids = tok.encode(text, add_special_tokens=False)[:tokens]
+        if len(text_ids) < tokens:
+            raise SystemExit(f"{text_path} has only {len(text_ids)} tokens; need {tokens}")
+        prompts = battery_prompts(tok)
+        ppl, score, paths, agree = evaluate(llm, text_ids, prompts, reference_paths)
+        sizes = weight_bytes_by_format(llm.engine.runner.model)
+        if fmt == "none":
+            reference_paths = paths
+            bits = 8.0 * torch.empty((), dtype=llm.engine.dtype).element_size()
+            err_mean = err_max = 0.0
+            agreement, positions = 1.0, sum(len(p) for p in paths)
+        else:
+            group = resolve_group_size(QuantSpec(fmt, group_size), llm.engine.runner.model,
+                                       _gguf_has_q4(model_path))
+            err_mean, err_max, bits = weight_errors(model_path, fmt, group)
+            agreement, positions = agree[0] / agree[1], agree[1]
+        row = Row(fmt, round(bits, 4), round(sum(sizes.values()) / 2**20, 2), round(err_mean, 5), round(err_max, 5),
+                  round(ppl, 3), score, round(agreement, 4), positions, round(time.perf_counter() - t0, 1))
+        rows.append(row)
+        log(f"  {fmt}: done in {row.seconds:.0f}s")
+        del llm
+    return rows
+
+
+def _gguf_has_q4(path: str) -> bool:
+    from engine.models import loader
+
+    return loader.model_source(path) == "gguf" and loader._gguf_has_q4(path)
+
+
+def format_table(rows: list[Row], tokens: int) -> str:
+    head = (f"| format | bits/weight | weight MiB | rel. error mean | rel. error worst | perplexity ({tokens} tok) "
+            f"| battery /{len(BATTERY)} | agreement |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ppl = f"{r.perplexity:,.2f}" if r.perplexity < 1e6 else f"{r.perplexity:.3g}"
+        lines.append(f"| {r.format} | {r.bits_per_weight:.3f} | {r.weight_mib:.1f} | {r.rel_error_mean:.4f} | "
+                     f"{r.rel_error_max:.4f} | {ppl} | {r.battery} | "
+                     f"{round(r.agreement * r.agreement_positions)}/{r.agreement_positions} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="pagedserve eval", description=__doc__.split("\n")[0])
+    ap.add_argument("--quantization", default=",".join(FORMATS),
+                    help=f"comma-separated formats to compare with the unquantized reference ({', '.join(FORMATS)})")
+    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
+    ap.add_argument("--text", default=BOOK, help="text for perplexity (default: the shipped Pride and Prejudice)")
+    ap.add_argument("--tokens", type=int, default=2048, help="perplexity tokens")
+    ap.add_argument("--dtype", default="float32", help="activation/reference dtype (float32 as in the chapter)")
+    ap.add_argument("--quant-group-size", type=int, default=None)
+    ap.add_argument("--json", default=None, help="write {'rows': [...]} here")
+    args = ap.parse_args(argv)
+    formats = [f.strip() for f in args.quantization.split(",") if f.strip()]
+    bad = [f for f in formats if f not in FORMATS + ("none",)]
+    if bad:
+        ap.error(f"unknown format(s) {bad}; choose from {', '.join(FORMATS)}")
+    print(f"pagedserve eval: model {args.model or 'bundled SmolLM2-135M-Instruct'}, text {args.text}, "
+          f"{args.tokens} tokens, dtype {args.dtype}", file=sys.stderr)
+    rows = run(args.model, formats, args.text, args.tokens, args.dtype, args.quant_group_size,
+               log=lambda m: print(m, file=sys.stderr))
+    print(format_table(rows, args.tokens))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model or "bundled", "tokens": args.tokens, "dtype": args.dtype,
+                       "rows": [asdict(r) for r in rows]}, f, indent=2)

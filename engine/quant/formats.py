@@ -1,0 +1,371 @@
+"""Weight formats: quantize -> packed storage -> dequantize, and a matmul that picks its kernel by M.
+
+Every format stores rows (output features) independently, so fused projections are row concatenations
+and llama.cpp's q/k row permutation applies to codes and scales alike.
+
+| format        | storage                                 | bits/weight        | CPU kernel, small M           |
+|---------------|-----------------------------------------|--------------------|-------------------------------|
+| `int8`        | int8 [N, K], fp16 scale per row         | 8 + 16/K           | `_weight_int8pack_mm`         |
+| `int8-tensor` | int8 [N, K], one scale                  | 8                  | `_weight_int8pack_mm`         |
+| `int4`        | 4-bit codes, fp16 scale per group of g  | 4 + 16/g           | `_weight_int4pack_mm_for_cpu` |
+| `int4-tensor` | 4-bit codes, one scale                  | 4                  | `_weight_int4pack_mm_for_cpu` |
+| `nf4`         | 4-bit NF4 level index, fp16 absmax / 64 | 4.25               | dequantize + GEMM             |
+
+Large M (prefill) on CPU and everything on CUDA dequantizes then runs a dense GEMM, except int4 on
+the CPU, whose kernel layout is machine-specific and is the only copy kept (see `Int4Weight`).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+
+FORMATS = ("int8", "int8-tensor", "int4", "int4-tensor", "nf4")
+NF4_BLOCK = 64
+INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes `_weight_int4pack_mm_for_cpu` takes
+# At M <= this the packed int8 GEMV wins; above, int8 -> activation dtype + dense GEMM does (its cost
+# grows with M while the GEMM's barely does). Measured by benchmarks/quant_kernels.py.
+INT8_PACKED_MAX_M = 4
+
+# QLoRA's NF4 levels: quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
+NF4_LEVELS = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0])
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] ints in 0..15 -> [N, K/2] uint8, element 2j in the low nibble, 2j+1 in the high one."""
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_nibbles`: [N, K/2] uint8 -> [N, K] uint8."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).view(packed.shape[0], -1)
+
+
+def _grouped(w: torch.Tensor, group: int) -> torch.Tensor:
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"in-features {k} is not a multiple of the group size {group}")
+    return w.float().reshape(n, k // group, group)
+
+
+class QuantWeight(ABC):
+    """One quantized [N, K] weight. `matmul(x)` computes x @ W^T in x's dtype."""
+
+    format: str
+    shape: tuple[int, int]
+
+    @abstractmethod
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The reference: the dense [N, K] matrix this storage represents."""
+
+    @abstractmethod
+    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held (what resident memory is made of)."""
+
+    @abstractmethod
+    def storage_bits(self) -> int:
+        """Bits a file would need: codes plus scales at the width the format defines."""
+
+    @abstractmethod
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Move to `device` and build the kernel layout for activations of `dtype`."""
+
+    @classmethod
+    @abstractmethod
+    def cat(cls, parts: list[QuantWeight]) -> QuantWeight:
+        """Row-concatenate (fused q|k|v, gate|up) before `prepare`."""
+
+    @abstractmethod
+    def take_rows(self, rows: torch.Tensor) -> QuantWeight:
+        """A row subset/permutation (llama.cpp's q/k interleave), before `prepare`."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.storage_bits() / (self.shape[0] * self.shape[1])
+
+
+# ---- int8 ---------------------------------------------------------------------------------------
+class Int8Weight(QuantWeight):
+    """Symmetric int8 codes with a scale per row, per group along K, or per tensor.
+
+    Per-row is the format `quantize` makes (the packed kernel needs one scale per row); group-wise
+    (group 32) is how llama.cpp's Q8_0 maps here exactly; embeddings use either as a row lookup.
+    """
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, fmt: str = "int8") -> None:
+        self.q = q  # int8 [N, K]
+        self.scale = scale  # fp16 [N, G] (G = 1: per row; 32-blocks from Q8_0), or fp32 [1, 1] per tensor
+        self.format = fmt
+        self.shape = (q.shape[0], q.shape[1])
+        self._kernel_scale: torch.Tensor | None = None
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, per_tensor: bool = False) -> Int8Weight:
+        w = w.float()
+        if per_tensor:
+            scale = (w.abs().max().reshape(1, 1) / 127).clamp(min=1e-12)
+        else:  # fp16 per row, as stored
+            scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-7).half()
+        q = torch.round(w / scale.float()).clamp(-128, 127).to(torch.int8)
+        return cls(q, scale, "int8-tensor" if per_tensor else "int8")
+
+    @property
+    def group(self) -> int:
+        return self.shape[1] // self.scale.shape[1]
+
+    def _dense(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        n, k = q.shape
+        g = scale.shape[1]
+        return (q.to(dtype).view(n, g, k // g) * scale.to(dtype)[:, :, None]).view(n, k)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        scale = self.scale.expand(self.shape[0], -1) if self.scale.shape[0] == 1 else self.scale
+        return self._dense(self.q, scale, dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows (an embedding lookup)."""
+        scale = self.scale if self.scale.shape[0] > 1 else self.scale.expand(len(ids), -1)
+        return self._dense(self.q[ids], scale[ids] if self.scale.shape[0] > 1 else scale, dtype)
+
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.q, self.scale = self.q.to(device), self.scale.to(device)
+        if self.scale.shape[1] == 1:  # per row or per tensor: the packed kernel applies
+            self._kernel_scale = self.scale.expand(self.shape[0], 1).reshape(-1).to(dtype).contiguous()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        s = self._kernel_scale
+        if s is None:  # group-wise scales: no kernel takes them
+            return F.linear(x, self.dequantize(x.dtype))
+        if x.device.type == "cpu" and x.shape[0] <= INT8_PACKED_MAX_M:
+            return torch.ops.aten._weight_int8pack_mm(x, self.q, s)
+        # dense GEMM on the int8 codes (exact in bf16/fp32), the per-row scale applied to the output
+        return F.linear(x, self.q.to(x.dtype)) * s
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.scale] + ([self._kernel_scale] if self._kernel_scale is not None else [])
+
+    def storage_bits(self) -> int:
+        n, k = self.shape
+        scale_bits = 32 * self.scale.unique().numel() if self.format == "int8-tensor" else 16 * self.scale.numel()
+        return 8 * n * k + scale_bits
+
+    @classmethod
+    def cat(cls, parts: list[QuantWeight]) -> Int8Weight:
+        if parts[0].format == "int8-tensor":  # one scale per original matrix, spelled out per row
+            scale = torch.cat([p.scale.expand(p.shape[0], 1) for p in parts])
+            return cls(torch.cat([p.q for p in parts]), scale, "int8-tensor")
+        return cls(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), parts[0].format)
+
+    def take_rows(self, rows: torch.Tensor) -> Int8Weight:
+        return Int8Weight(self.q[rows], self.scale if self.scale.shape[0] == 1 else self.scale[rows], self.format)
+
+
+# ---- int4 ---------------------------------------------------------------------------------------
+class Int4Weight(QuantWeight):
+    """4-bit codes c in 0..15 with w = (c - 8) * scale + zero per group of `group` along K.
+
+    `quantize` is symmetric (zero = 0, the chapter's absmax with qmax 7); llama.cpp's Q4_0 maps
+    exactly (zero = 0) and Q4_1's `d * c + m` maps as zero = m + 8d. On the CPU, `prepare` converts
+    the codes into `_weight_int4pack_mm_for_cpu`'s layout (which depends on the CPU's vector width) and
+    drops the row-major copy, so resident memory stays ~4 bits/weight; that kernel then serves every M.
+    """
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, fmt: str = "int4",
+                 group: int | None = None) -> None:
+        self.codes = codes  # uint8 [N, K/2] (pack_nibbles) until prepared for the CPU kernel
+        self.scale = scale  # [N, G] fp16 (or fp32), or [1, 1] per tensor
+        self.zero = zero  # [N, G] fp32 or None
+        self.format = fmt
+        self.shape = (codes.shape[0], codes.shape[1] * 2)
+        self.group = group or self.shape[1] // scale.shape[1]
+        self._packed: torch.Tensor | None = None  # the CPU kernel's layout
+        self._sz: torch.Tensor | None = None  # [K / kernel group, N, 2] scale and zero, activation dtype
+        self._kgroup = 0
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, group: int, per_tensor: bool = False) -> Int4Weight:
+        n, k = w.shape
+        if per_tensor:
+            scale = (w.float().abs().max() / 7).clamp(min=1e-12).reshape(1, 1)
+            q = torch.round(w.float() / scale).clamp(-8, 7) + 8
+            return cls(pack_nibbles(q), scale, None, "int4-tensor", group=k)
+        wg = _grouped(w, group)
+        scale = (wg.abs().amax(dim=-1) / 7).clamp(min=1e-8).half()  # stored as fp16
+        q = torch.round(wg / scale.float()[:, :, None]).clamp(-8, 7) + 8
+        return cls(pack_nibbles(q.view(n, k)), scale, None, "int4", group=group)
+
+    def _scale_zero_full(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 [N, G] scale and zero (per-tensor expanded to one group per row)."""
+        scale = self.scale.float()
+        if scale.shape[0] == 1:
+            scale = scale.expand(self.shape[0], self.shape[1] // self.group)
+        zero = self.zero.float() if self.zero is not None else torch.zeros_like(scale)
+        return scale, zero
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        if self._packed is not None:  # the kernel on the identity matrix reads the codes back
+            eye = torch.eye(k, dtype=torch.float32, device=self._packed.device)
+            return self._kernel(eye, self._sz.float()).t().contiguous().to(dtype)
+        scale, zero = self._scale_zero_full()
+        c = unpack_nibbles(self.codes).float().view(n, -1, self.group)
+        return ((c - 8) * scale[:, :, None] + zero[:, :, None]).view(n, k).to(dtype)
+
+    def _kernel(self, x: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, self._kgroup, sz.to(x.dtype))
+
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
+        n, k = self.shape
+        kgroup = next((g for g in INT4_KERNEL_GROUPS if self.group % g == 0 and k % g == 0), 0)
+        if device.type != "cpu" or kgroup == 0 or n % 16:
+            self.codes, self.scale = self.codes.to(device), self.scale.to(device)
+            self.zero = None if self.zero is None else self.zero.to(device)
+            return
+        scale, zero = self._scale_zero_full()
+        rep = self.group // kgroup  # a format group spans rep kernel groups
+        sz = torch.stack((scale, zero), dim=-1).repeat_interleave(rep, dim=1)  # [N, K/kgroup, 2]
+        self._sz = sz.transpose(0, 1).contiguous().to(dtype)
+        self._kgroup = kgroup
+        self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            unpack_nibbles(self.codes).to(torch.int32), 1)
+        self.codes = self.codes.new_empty(0)  # the kernel layout is the only copy kept
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            return self._kernel(x, self._sz)
+        return F.linear(x, self.dequantize(x.dtype))
+
+    def tensors(self) -> list[torch.Tensor]:
+        if self._packed is not None:
+            return [self._packed, self._sz]
+        return [t for t in (self.codes, self.scale, self.zero) if t is not None]
+
+    def storage_bits(self) -> int:
+        n, k = self.shape
+        if self.format == "int4-tensor":
+            return 4 * n * k + 32 * self.scale.unique().numel()
+        per_group = 16 if self.zero is None else 32
+        return 4 * n * k + per_group * n * (k // self.group)
+
+    @classmethod
+    def cat(cls, parts: list[QuantWeight]) -> Int4Weight:
+        if parts[0].format == "int4-tensor":  # one scale per original matrix, spelled out per row
+            scale = torch.cat([p.scale.expand(p.shape[0], 1) for p in parts])
+            return cls(torch.cat([p.codes for p in parts]), scale, None, "int4-tensor", parts[0].shape[1])
+        if len({p.group for p in parts}) != 1 or len({p.zero is None for p in parts}) != 1:
+            raise ValueError("cannot fuse int4 weights with different groups or zero-point use")
+        zero = None if parts[0].zero is None else torch.cat([p.zero for p in parts])
+        return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zero,
+                   parts[0].format, parts[0].group)
+
+    def take_rows(self, rows: torch.Tensor) -> Int4Weight:
+        per_tensor = self.scale.shape[0] == 1
+        return Int4Weight(self.codes[rows], self.scale if per_tensor else self.scale[rows],
+                          None if self.zero is None else self.zero[rows], self.format, self.group)
+
+
+# ---- NF4 ----------------------------------------------------------------------------------------
+class NF4Weight(QuantWeight):
+    """QLoRA's NF4: 16 normal-quantile levels times an fp16 absmax per block of 64 along K.
+
+    No packed kernel exists for it on CPU or CUDA in torch: every M dequantizes then runs a GEMM.
+    """
+
+    format = "nf4"
+
+    def __init__(self, codes: torch.Tensor, absmax: torch.Tensor) -> None:
+        self.codes = codes  # uint8 [N, K/2]
+        self.absmax = absmax  # fp16 [N, K/64]
+        self.shape = (codes.shape[0], codes.shape[1] * 2)
+        self._levels = NF4_LEVELS
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> NF4Weight:
+        n, k = w.shape
+        wg = _grouped(w, NF4_BLOCK)
+        absmax = wg.abs().amax(dim=-1).clamp(min=1e-8).half()
+        normed = wg / absmax.float()[:, :, None]
+        # nearest level: midpoints between sorted levels are the decision boundaries
+        mids = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
+        codes = torch.bucketize(normed.reshape(-1), mids).view(n, k)
+        return cls(pack_nibbles(codes), absmax)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        vals = self._levels.to(dtype)[unpack_nibbles(self.codes).long()].view(n, -1, NF4_BLOCK)
+        return (vals * self.absmax.to(dtype)[:, :, None]).view(n, k)
+
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.codes, self.absmax = self.codes.to(device), self.absmax.to(device)
+        self._levels = NF4_LEVELS.to(device)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(x.dtype))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.codes, self.absmax]
+
+    def storage_bits(self) -> int:
+        n, k = self.shape
+        return 4 * n * k + 16 * self.absmax.numel()
+
+    @classmethod
+    def cat(cls, parts: list[QuantWeight]) -> NF4Weight:
+        return cls(torch.cat([p.codes for p in parts]), torch.cat([p.absmax for p in parts]))
+
+    def take_rows(self, rows: torch.Tensor) -> NF4Weight:
+        return NF4Weight(self.codes[rows], self.absmax[rows])
+
+
+# ---- entry points -------------------------------------------------------------------------------
+def default_group_size(in_features: list[int]) -> int:
+    """The largest of 128/64/32 dividing every matrix's in-features (SmolLM2's 576 -> 64)."""
+    for g in (128, 64, 32):
+        if all(k % g == 0 for k in in_features):
+            return g
+    raise ValueError(f"no int4 group size in (128, 64, 32) divides every in-feature size {sorted(set(in_features))}")
+
+
+def quantize(w: torch.Tensor, fmt: str, group_size: int = 64) -> QuantWeight:
+    """Dense [N, K] -> the format's storage (on w's device, before `prepare`)."""
+    if fmt == "int8":
+        return Int8Weight.quantize(w)
+    if fmt == "int8-tensor":
+        return Int8Weight.quantize(w, per_tensor=True)
+    if fmt == "int4":
+        return Int4Weight.quantize(w, group_size)
+    if fmt == "int4-tensor":
+        return Int4Weight.quantize(w, group_size, per_tensor=True)
+    if fmt == "nf4":
+        return NF4Weight.quantize(w)
+    raise ValueError(f"unknown quantization {fmt!r}; choose from none, {', '.join(FORMATS)}")
+
+
+def cat(parts: list[QuantWeight]) -> QuantWeight:
+    if len(parts) == 1:
+        return parts[0]
+    kinds = {(type(p), p.format) for p in parts}
+    if len(kinds) != 1:
+        raise ValueError(f"cannot fuse weights of different formats {sorted(f for _, f in kinds)}")
+    return type(parts[0]).cat(parts)
+
+
+def relative_error(w: torch.Tensor, qw: QuantWeight) -> float:
+    """‖W − Ŵ‖ / ‖W‖ (Frobenius), in fp32."""
+    w = w.float()
+    return (math.sqrt(((w - qw.dequantize()) ** 2).sum().item()) / max(w.norm().item(), 1e-30))
