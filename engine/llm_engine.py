@@ -22,6 +22,7 @@ from engine.sampler import SampleRequest, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec_decode import build_speculator
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_draft_tokens: int = 0  # speculative decoding: drafted for this request so far
+    num_accepted_tokens: int = 0  # of which accepted
 
 
 @dataclass
@@ -106,6 +109,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.speculator = build_speculator(config, self.model_config, self.runner.num_blocks, max_len, self.device)
         # The engine thread detokenizes while other threads encode: HF fast tokenizers mutate state on
         # encode ("Already borrowed"), so the detokenizer gets its own copy.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
@@ -183,6 +187,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step + forward pass. Returns an output for every request that changed."""
         outputs = self._drain_inbox()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return outputs
@@ -191,10 +197,15 @@ class LLMEngine:
             if r.sample.params.needs_penalties:
                 r.sample.output_token_ids = r.seq.output_token_ids
         sample = [r.sample if want else None for r, want in zip(reqs, sched.sample)]
+        t0 = time.perf_counter()
         sampled, logprobs = self.runner.run(StepInput(sched.seqs, sched.num_new_tokens, sample))
+        if self.speculator is not None:
+            self.speculator.observe(sched.seqs, sched.num_new_tokens, sampled, time.perf_counter() - t0)
         lp_of = {s.seq_id: lp for s, lp in zip(sched.seqs, logprobs) if lp is not None}
+        num_before = {s.seq_id: s.num_tokens for s in sched.seqs}
         for seq in self.scheduler.update(sched, sampled):
-            outputs.append(self._emit(self._requests[seq.request_id], lp_of.get(seq.seq_id)))
+            outputs.append(self._emit(self._requests[seq.request_id], lp_of.get(seq.seq_id),
+                                      num_before[seq.seq_id]))
         return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:
@@ -210,21 +221,29 @@ class LLMEngine:
                     outputs.append(self._finish_output(self._requests[item], [], "", []))
         return outputs
 
-    def _emit(self, req: _Request, logprob: TokenLogprob | None) -> RequestOutput:
+    def _emit(self, req: _Request, logprob: TokenLogprob | None, num_before: int) -> RequestOutput:
+        """Output for the tokens appended since `num_before` (several when drafts were accepted)."""
         seq = req.seq
-        token = seq.token_ids[-1]
-        req.stop.feed(req.detokenizer.push([token]))
-        if req.stop.stopped and not seq.is_finished:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        tokens = seq.token_ids[num_before:]
+        for j, token in enumerate(tokens):
+            req.stop.feed(req.detokenizer.push([token]))
+            if req.stop.stopped:
+                del seq.token_ids[num_before + j + 1:]  # accepted drafts after a stop string never happened
+                tokens = tokens[:j + 1]
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+                break
         text = req.stop.take(final=seq.is_finished)
         lps = [logprob] if logprob is not None else []
         if seq.is_finished:
-            return self._finish_output(req, [token], text, lps)
-        return self._output(req, [token], text, lps)
+            return self._finish_output(req, tokens, text, lps)
+        return self._output(req, tokens, text, lps)
 
     def _finish_output(self, req: _Request, tokens: list[int], text: str, lps: list) -> RequestOutput:
         with self._lock:
             self._requests.pop(req.seq.request_id, None)
+        if self.speculator is not None:
+            self.speculator.release(req.seq)
         if req.seq.status is SequenceStatus.FINISHED_ABORTED:
             text += req.stop.take(final=True)
         return self._output(req, tokens, text, lps)
@@ -244,6 +263,8 @@ class LLMEngine:
             metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
                                    seq.finish_time),
             logprobs=lps,
+            num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_tokens=seq.num_accepted_tokens,
         )
 
 

@@ -12,6 +12,7 @@ from engine.config import EngineConfig, ModelConfig, dtype_size
 from engine.models.llama import LlamaModel
 from engine.sampler import Sampler, SampleRequest, TokenLogprob
 from engine.sequence import Sequence
+from engine.spec_decode.verifier import verify
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +95,9 @@ class ModelRunner:
 
     # ---- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, step: StepInput) -> tuple[list[int | None], list[TokenLogprob | None]]:
-        """Forward the scheduled tokens; return a sampled token (or None) per scheduled sequence."""
+    def run(self, step: StepInput) -> tuple[list[int | list[int] | None], list[TokenLogprob | None]]:
+        """Forward the scheduled tokens; return a sampled token (or None) per scheduled sequence, or for a
+        sequence with draft tokens the verified ones plus the target's own next token."""
         # decodes first: the backends batch them as one block
         order = sorted(range(len(step.seqs)), key=lambda i: step.num_new_tokens[i] != 1)
         input_ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
@@ -103,6 +105,8 @@ class ModelRunner:
             seq, n = step.seqs[i], step.num_new_tokens[i]
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start:start + n])
+            if start + n > seq.num_tokens:  # draft tokens to verify
+                input_ids.extend(seq.spec_token_ids[:start + n - seq.num_tokens])
             positions.extend(range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
@@ -118,12 +122,29 @@ class ModelRunner:
         # logits only at each sampling sequence's last scheduled token
         ends = host.query_start_loc[1:].tolist()  # one conversion, not a tensor index per sequence
         sampling = [(ends[j] - 1, i) for j, i in enumerate(order) if step.sample_requests[i] is not None]
-        sampled: list[int | None] = [None] * len(step.seqs)
+        sampled: list[int | list[int] | None] = [None] * len(step.seqs)
         logprobs: list[TokenLogprob | None] = [None] * len(step.seqs)
         if not sampling:
             return sampled, logprobs
-        rows = torch.tensor([row for row, _ in sampling], device=self.device)
+        # a speculating sequence needs logits at each draft position too: one row per draft, then its last
+        num_drafts = [len(step.seqs[i].spec_token_ids) for _, i in sampling]
+        rows = torch.tensor([r for (row, _), k in zip(sampling, num_drafts) for r in range(row - k, row + 1)],
+                            device=self.device)
         logits = self.model.compute_logits(hidden[rows])
+        if any(num_drafts):
+            last = torch.tensor(num_drafts, device=self.device).cumsum(0) + torch.arange(len(num_drafts),
+                                                                                            device=self.device)
+            plain = [j for j, k in enumerate(num_drafts) if not k]
+            tokens, lps = self.sampler(logits[last[plain]], [step.sample_requests[sampling[j][1]] for j in plain])
+            for j, tok, lp in zip(plain, tokens, lps):
+                sampled[sampling[j][1]], logprobs[sampling[j][1]] = tok, lp
+            for j, k in enumerate(num_drafts):
+                if k:
+                    i = sampling[j][1]
+                    start = int(last[j]) - k
+                    sampled[i] = verify(logits[start:start + k + 1], step.seqs[i].spec_token_ids,
+                                        step.sample_requests[i], self.sampler.generator)
+            return sampled, logprobs
         tokens, lps = self.sampler(logits, [step.sample_requests[i] for _, i in sampling])
         for (_, i), tok, lp in zip(sampling, tokens, lps):
             sampled[i] = tok
