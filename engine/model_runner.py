@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ from engine.config import EngineConfig, ModelConfig, dtype_size
 from engine.models.llama import LlamaModel
 from engine.sampler import Sampler, SampleRequest, TokenLogprob
 from engine.sequence import Sequence
-from engine.spec_decode.verifier import verify
+from engine.spec_decode.verifier import verify_batch
 
 logger = logging.getLogger(__name__)
 
@@ -128,27 +129,34 @@ class ModelRunner:
             return sampled, logprobs
         # a speculating sequence needs logits at each draft position too: one row per draft, then its last
         num_drafts = [len(step.seqs[i].spec_token_ids) for _, i in sampling]
-        rows = torch.tensor([r for (row, _), k in zip(sampling, num_drafts) for r in range(row - k, row + 1)],
-                            device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        rows = [r for (row, _), k in zip(sampling, num_drafts) for r in range(row - k, row + 1)]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         if any(num_drafts):
-            last = torch.tensor(num_drafts, device=self.device).cumsum(0) + torch.arange(len(num_drafts),
-                                                                                            device=self.device)
-            plain = [j for j, k in enumerate(num_drafts) if not k]
-            tokens, lps = self.sampler(logits[last[plain]], [step.sample_requests[sampling[j][1]] for j in plain])
-            for j, tok, lp in zip(plain, tokens, lps):
-                sampled[sampling[j][1]], logprobs[sampling[j][1]] = tok, lp
-            for j, k in enumerate(num_drafts):
-                if k:
-                    i = sampling[j][1]
-                    start = int(last[j]) - k
-                    sampled[i] = verify(logits[start:start + k + 1], step.seqs[i].spec_token_ids,
-                                        step.sample_requests[i], self.sampler.generator)
-            return sampled, logprobs
+            return self._verify(step, sampling, num_drafts, logits)
         tokens, lps = self.sampler(logits, [step.sample_requests[i] for _, i in sampling])
         for (_, i), tok, lp in zip(sampling, tokens, lps):
             sampled[i] = tok
             logprobs[i] = lp
+        return sampled, logprobs
+
+    def _verify(self, step: StepInput, sampling: list[tuple[int, int]], num_drafts: list[int],
+                logits: torch.Tensor) -> tuple[list[int | list[int] | None], list[TokenLogprob | None]]:
+        """Sample the plain sequences; verify the speculating ones' drafts (accepted + one token each)."""
+        sampled: list[int | list[int] | None] = [None] * len(step.seqs)
+        logprobs: list[TokenLogprob | None] = [None] * len(step.seqs)
+        ends = list(itertools.accumulate(k + 1 for k in num_drafts))
+        plain = [j for j, k in enumerate(num_drafts) if not k]
+        if plain:
+            tokens, lps = self.sampler(logits[[ends[j] - 1 for j in plain]],
+                                       [step.sample_requests[sampling[j][1]] for j in plain])
+            for j, tok, lp in zip(plain, tokens, lps):
+                sampled[sampling[j][1]], logprobs[sampling[j][1]] = tok, lp
+        spec = [j for j, k in enumerate(num_drafts) if k]
+        rows = [r for j in spec for r in range(ends[j] - num_drafts[j] - 1, ends[j])]
+        verified = verify_batch(logits[rows], [step.seqs[sampling[j][1]].spec_token_ids for j in spec],
+                                [step.sample_requests[sampling[j][1]] for j in spec], self.sampler.generator)
+        for j, tokens in zip(spec, verified):
+            sampled[sampling[j][1]] = tokens
         return sampled, logprobs
 
     def _metadata(self, positions: list[int], query_lens: list[int], seq_lens: list[int],

@@ -7,10 +7,10 @@ import torch
 
 from engine import LLMEngine, SamplingParams, make_config
 from engine.sampler import SampleRequest
+from engine.sequence import Sequence
 from engine.spec_decode.proposer import NgramProposer
 from engine.spec_decode.speculator import StepCostModel, best_gamma, expected_tokens, speedup
 from engine.spec_decode.verifier import verify
-from engine.sequence import Sequence
 
 
 def chi2_critical(df: int, z: float = 3.09) -> float:

@@ -6,7 +6,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.spec_decode.proposer import NgramProposer, Proposer
-from engine.spec_decode.speculator import Speculator, SpecStats
+from engine.spec_decode.speculator import SpecStats, Speculator
 
 __all__ = ["NgramProposer", "Proposer", "Speculator", "SpecStats", "build_speculator"]
 

@@ -23,7 +23,7 @@ class Proposer(ABC):
         """One call per step for all speculating requests (a draft model batches them)."""
         return [self.propose(s, k) if k > 0 else [] for s, k in zip(seqs, max_tokens)]
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:  # noqa: B027 - most proposers keep no per-request state
         """The request is gone: drop any per-request state."""
 
 

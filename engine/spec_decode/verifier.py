@@ -71,3 +71,35 @@ def verify(logits: torch.Tensor, draft: list[int], req: SampleRequest, generator
             residual = probs[j]
         return draft[:j] + [int(torch.multinomial(residual, 1, generator=gen))]
     return draft + [int(torch.multinomial(probs[k], 1, generator=gen))]
+
+
+@torch.no_grad()
+def verify_batch(logits: torch.Tensor, drafts: list[list[int]], reqs: list[SampleRequest],
+                 generator: torch.Generator) -> list[list[int]]:
+    """`verify` for several requests whose rows are stacked in `logits` (len(draft) + 1 rows each).
+
+    Plain greedy requests share one argmax (one host sync); the rest go one by one.
+    """
+    starts, pos = [], 0
+    for d in drafts:
+        starts.append(pos)
+        pos += len(d) + 1
+    assert pos == logits.shape[0]
+    plain = [j for j, r in enumerate(reqs) if r.params.greedy and not r.params.needs_penalties]
+    out: list[list[int]] = [[] for _ in drafts]
+    if plain:
+        rows = torch.tensor([starts[j] + i for j in plain for i in range(len(drafts[j]) + 1)], device=logits.device)
+        target = logits[rows].argmax(dim=-1).tolist()
+        at = 0
+        for j in plain:
+            d = drafts[j]
+            t = target[at:at + len(d) + 1]
+            n = 0
+            while n < len(d) and d[n] == t[n]:
+                n += 1
+            out[j] = d[:n] + [t[n]]
+            at += len(d) + 1
+    for j, req in enumerate(reqs):
+        if not out[j]:
+            out[j] = verify(logits[starts[j]:starts[j] + len(drafts[j]) + 1], drafts[j], req, generator)
+    return out
