@@ -138,3 +138,22 @@ def test_aborts_mid_speculation(make_engine, prompts, reference, method):
         assert results[rid]["tokens"] == reference[rid]["tokens"][:len(results[rid]["tokens"])]
     compare(results, reference, f"{method} aborts", [r for r in reference if r not in aborted])
     assert_back_to_baseline(engine)
+
+
+def test_stop_string_inside_accepted_drafts(make_engine, prompts):
+    """A stop string completed by an accepted draft ends the request there, as plain decoding does."""
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=["possession"])
+    runs = []
+    for method in ("none", "ngram"):
+        engine = make_engine(speculative_method=method)
+        if engine.speculator is not None:
+            engine.speculator.adaptive = False
+        engine.add_request("s", prompts[0], params)
+        runs.append(run_to_completion(engine)["s"])
+        assert engine.block_manager.num_used_blocks == 0
+    plain, spec = runs
+    assert plain["finish_reason"] == "stop" and "possession" not in plain["text"]
+    assert spec["text"] == plain["text"] and spec["tokens"] == plain["tokens"]
+    assert spec["finish_reason"] == "stop"
