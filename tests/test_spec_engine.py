@@ -90,7 +90,7 @@ def test_greedy_identical_in_a_mixed_batch_with_chunked_prefill(make_engine, pro
 
 def test_greedy_identical_one_by_one_with_adaptive_gamma(make_engine, prompts, reference):
     engine = make_engine(speculative_method="ngram", num_speculative_tokens=5)
-    for i in (0, 1, 4, 7):
+    for i in (0, 4, 7):
         engine.add_request(str(i), prompts[i], greedy(MAX_TOKENS, logprobs=None))
         results = run_to_completion(engine, integrity)
         compare(results, reference, "ngram alone", [str(i)])
@@ -117,9 +117,9 @@ def test_greedy_identical_under_preemption(make_engine, smollm, prompts, referen
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_aborts_mid_speculation(make_engine, prompts, reference, method):
     engine = spec_engine(make_engine, method)
-    for i, ids in enumerate(prompts):
+    for i, ids in enumerate(prompts[:6]):
         engine.add_request(str(i), ids, greedy(MAX_TOKENS, logprobs=None))
-    aborted = {"0", "4", "7"}
+    aborted = {"0", "4"}
     results: dict[str, dict] = {}
     steps = 0
     while engine.has_unfinished():
@@ -136,7 +136,7 @@ def test_aborts_mid_speculation(make_engine, prompts, reference, method):
     for rid in aborted:
         assert results[rid]["finish_reason"] == "abort"
         assert results[rid]["tokens"] == reference[rid]["tokens"][:len(results[rid]["tokens"])]
-    compare(results, reference, f"{method} aborts", [r for r in reference if r not in aborted])
+    compare(results, reference, f"{method} aborts", [str(i) for i in range(6) if str(i) not in aborted])
     assert_back_to_baseline(engine)
 
 
