@@ -23,7 +23,7 @@ def test_speculative_quick(tmp_path):
     assert r["ok"] and all(c["ok"] for c in r["checks"].values() if not c["timing"])
     draft = r["acceptance"]["drafts"]["bf16 self-draft"]
     assert draft["positions"] >= 48 and 0.5 <= draft["alpha"] <= 1.0  # bf16 rounding rarely flips fp32's pick
-    assert set(draft["measured"]) == {1, 4} and r["acceptance"]["r_gamma"][0] == 1.0
+    assert set(draft["measured"]) == {1, 4} and len(draft["predicted"]) == 8 and r["acceptance"]["r_gamma"][0] == 1.0
     lookup = r["tpot"]["lookup (quote/repeat/edit)"]["ngram"]
     assert lookup["num_drafts"] > 0 and lookup["acceptance_rate"] > 0
     assert json.loads(path.read_text())["checks"].keys() == r["checks"].keys()
