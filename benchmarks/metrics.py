@@ -248,6 +248,17 @@ def format_table(m: dict[str, Any], header: Sequence[tuple[str, Any]] = ()) -> s
         lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
         for stat, label in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
             row(f"{label} {short} (ms):", m[f"{stat}_{key}_ms"])
+    spec = m.get("spec_decode")
+    if spec:
+        lines.append("{s:{c}^{n}}".format(s="Speculative Decoding", n=50, c="-"))
+        row("Acceptance rate (%):", None if spec["acceptance_rate"] is None else 100 * spec["acceptance_rate"])
+        row("Acceptance length:", spec["mean_acceptance_length"])
+        row("Drafts:", spec["num_drafts"])
+        row("Draft tokens:", spec["num_draft_tokens"])
+        row("Accepted tokens:", spec["num_accepted_tokens"])
+        if spec["acceptance_per_position"]:
+            row("Per-position acceptance rate:", ", ".join(
+                "-" if x is None else f"{x:.2f}" for x in spec["acceptance_per_position"]))
     lines.append("=" * 50)
     if m["requests_without_usage"]:
         lines.append(f"Note: {m['requests_without_usage']} of {m['completed']} successful requests had no "

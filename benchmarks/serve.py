@@ -19,6 +19,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -351,6 +352,52 @@ async def _read_stream(resp: httpx.Response, rec: RequestRecord, endpoint: str,
     rec.ok = True
 
 
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
+
+
+async def scrape_spec_decode(client: httpx.AsyncClient, base: str) -> dict[str, Any] | None:
+    """The server's speculative-decoding counters (vLLM's names) from /metrics; None if it exposes none."""
+    try:
+        resp = await client.get(base + "/metrics", timeout=10.0)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    found: dict[str, Any] = {}
+    for line in resp.text.splitlines():
+        for name in SPEC_COUNTERS:
+            if not line.startswith(name + "_total"):
+                continue
+            rest = line[len(name) + len("_total"):]
+            if not rest.startswith(("{", " ")):
+                continue
+            value = float(rest.rsplit(" ", 1)[1])
+            if name.endswith("_per_pos"):
+                pos = re.search(r'position="(\d+)"', rest)
+                if pos:
+                    per = found.setdefault(name, {})
+                    per[int(pos.group(1))] = per.get(int(pos.group(1)), 0.0) + value
+            else:
+                found[name] = found.get(name, 0.0) + value
+    return found if "vllm:spec_decode_num_drafts" in found else None
+
+
+def spec_decode_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Acceptance over one run: rate = accepted / drafted tokens, mean length = 1 + accepted / drafts."""
+    if after is None:
+        return None
+    before = before or {}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS[:3]}
+    drafts, tokens, accepted = d[SPEC_COUNTERS[0]], d[SPEC_COUNTERS[1]], d[SPEC_COUNTERS[2]]
+    per_a, per_b = after.get(SPEC_COUNTERS[3], {}), before.get(SPEC_COUNTERS[3], {})
+    per_pos = [(per_a.get(p, 0.0) - per_b.get(p, 0.0)) / drafts if drafts else None for p in sorted(per_a)]
+    return {"num_drafts": int(drafts), "num_draft_tokens": int(tokens), "num_accepted_tokens": int(accepted),
+            "acceptance_rate": accepted / tokens if tokens else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_per_position": per_pos}
+
+
 async def fetch_model(client: httpx.AsyncClient, base: str) -> str:
     try:
         resp = await client.get(base + "/v1/models", timeout=30.0)
@@ -539,8 +586,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             raise BenchError(f"warm-up did not finish within --max-duration {args.max_duration:g} s") from e
         points = []
         for rate, conc in runs:
+            spec_before = await scrape_spec_decode(client, base)
             records, duration = await run_point(client, url, model, reqs, args, rate, conc)
             m = compute_metrics(records, duration, slos)
+            m["spec_decode"] = spec_decode_delta(spec_before, await scrape_spec_decode(client, base))
             header = [("Endpoint", url), ("Model", model), ("Workload", desc),
                       ("Request rate configured (RPS)", rate)]
             if math.isfinite(rate):

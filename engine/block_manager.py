@@ -196,6 +196,21 @@ class BlockManager:
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
 
+    def free_tail(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (slots of rejected draft tokens).
+
+        Those blocks never hold a published prefix: only computed, verified blocks are published.
+        """
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            assert block.hash is None and len(seq.block_hashes) <= keep, "a published block past the tail"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free_queue[block_id] = None
+                self._free_queue.move_to_end(block_id, last=False)
+
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             if block.ref_count == 0:

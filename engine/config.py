@@ -13,6 +13,7 @@ from engine.cpu_dtype import auto_cpu_dtype, cpu_has_native_bf16
 from engine.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
 def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None) -> Any:
@@ -192,8 +193,31 @@ class EngineConfig:
                                              "for a GGUF of Q4 blocks, else the largest of 128/64/32 dividing "
                                              "every matrix)")
     quantize_lm_head: bool | None = opt(None, "quantize the LM head and embeddings too (default: on for int8)")
+    speculative_method: str = opt("none", "speculative decoding: ngram (prompt lookup) or draft (--draft-model)",
+                                  choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = opt(4, "most draft tokens per step (γ); fewer, or none, where the measured "
+                                         "acceptance says they would not pay")
+    prompt_lookup_min: int = opt(2, "ngram speculation: shortest suffix to look up in the request's tokens")
+    prompt_lookup_max: int = opt(5, "ngram speculation: longest suffix to look up")
+    draft_model: str | None = opt(None, "draft model for --speculative-method draft (same tokenizer; "
+                                        "default: the target itself, in --draft-dtype / --draft-quantization)")
+    draft_dtype: str = opt("auto", "the draft model's dtype (auto, float32, bfloat16, float16)")
+    draft_quantization: str = opt("none", "quantize the draft model's weights (needs engine.quant)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.speculative_method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.draft_quantization != "none" and importlib.util.find_spec("engine.quant") is None:
+            raise ValueError(f"draft_quantization={self.draft_quantization!r} needs the quantization module "
+                             "(engine.quant), which this build does not have; use draft_quantization='none'")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -24,6 +24,7 @@ from engine.sampler import SampleRequest, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec_decode import build_speculator
 from engine.step_cost import StepCostModel, StepShape
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, apply_chat_template, load_tokenizer
 
@@ -64,6 +65,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first; on the first output
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_draft_tokens: int = 0  # speculative decoding: drafted for this request so far
+    num_accepted_tokens: int = 0  # of which accepted
 
 
 @dataclass
@@ -124,6 +127,7 @@ class LLMEngine:
                                           config.cache.enable_prefix_caching)
         self.cost_model = StepCostModel()  # fitted from timed steps; sizes prefill chunks by time
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.cost_model)
+        self.speculator = build_speculator(config, self.model_config, self.runner.num_blocks, max_len, self.device)
         # The engine thread detokenizes while other threads encode: HF fast tokenizers mutate state on
         # encode ("Already borrowed"), so the detokenizer gets its own copy.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
@@ -234,6 +238,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step + forward pass. Returns an output for every request that changed."""
         outputs = self._drain_inbox()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return outputs
@@ -246,15 +252,20 @@ class LLMEngine:
                                                     zip(sched.seqs, sched.num_new_tokens)])
         t0 = time.perf_counter()
         sampled, logprobs, prompt_lps = self.runner.run(StepInput(sched.seqs, sched.num_new_tokens, sample))
-        self.cost_model.observe(shape, (time.perf_counter() - t0) * 1e3)
+        elapsed = time.perf_counter() - t0
+        self.cost_model.observe(shape, elapsed * 1e3)
+        if self.speculator is not None:
+            self.speculator.observe(sched.seqs, sched.num_new_tokens, sampled, elapsed)
         for i, (start, entries) in prompt_lps.items():
             reqs[i].add_prompt_logprobs(start, entries)
         # max_tokens=0 (prompt scoring): the prompt is done, nothing is generated
         prompt_only = [r for i, r in enumerate(reqs) if r.seq.max_tokens == 0 and sampled[i] is not None]
         sampled = [None if r.seq.max_tokens == 0 else t for r, t in zip(reqs, sampled)]
         lp_of = {s.seq_id: lp for s, lp in zip(sched.seqs, logprobs) if lp is not None}
+        num_before = {s.seq_id: s.num_tokens for s in sched.seqs}
         for seq in self.scheduler.update(sched, sampled):
-            outputs.append(self._emit(self._requests[seq.request_id], lp_of.get(seq.seq_id)))
+            outputs.append(self._emit(self._requests[seq.request_id], lp_of.get(seq.seq_id),
+                                      num_before[seq.seq_id]))
         for r in prompt_only:
             self.scheduler.finish(r.seq, SequenceStatus.FINISHED_LENGTH)
             outputs.append(self._finish_output(r, [], "", []))
@@ -274,29 +285,36 @@ class LLMEngine:
                     outputs.append(self._finish_output(self._requests[item], [], "", []))
         return outputs
 
-    def _emit(self, req: _Request, logprob: TokenLogprob | None) -> RequestOutput:
+    def _emit(self, req: _Request, logprob: TokenLogprob | None, num_before: int) -> RequestOutput:
+        """Output for the tokens appended since `num_before` (several when drafts were accepted)."""
         seq = req.seq
-        token = seq.token_ids[-1]
-        delta = req.detokenizer.push([token])
-        if logprob is not None:
-            req.held_logprobs.append((req.text_fed, logprob))
-        req.text_fed += len(delta)
-        req.stop.feed(delta)
-        if req.stop.stopped:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-            else:  # the stop string completed on the last allowed token: it stopped, it was not cut short
-                seq.status = SequenceStatus.FINISHED_STOPPED
+        tokens = seq.token_ids[num_before:]
+        for j, token in enumerate(tokens):
+            delta = req.detokenizer.push([token])
+            if logprob is not None:  # requests with logprobs do not speculate: one token
+                req.held_logprobs.append((req.text_fed, logprob))
+            req.text_fed += len(delta)
+            req.stop.feed(delta)
+            if req.stop.stopped:
+                del seq.token_ids[num_before + j + 1:]  # accepted drafts after a stop string never happened
+                tokens = tokens[:j + 1]
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+                else:  # the stop string completed on the last allowed token: it stopped, it was not cut short
+                    seq.status = SequenceStatus.FINISHED_STOPPED
+                break
         text = req.stop.take(final=seq.is_finished)
         req.text_sent += len(text)
         lps = self._release_logprobs(req, everything=seq.is_finished and not req.stop.stopped)
         if seq.is_finished:
-            return self._finish_output(req, [token], text, lps)
-        return self._output(req, [token], text, lps)
+            return self._finish_output(req, tokens, text, lps)
+        return self._output(req, tokens, text, lps)
 
     def _finish_output(self, req: _Request, tokens: list[int], text: str, lps: list) -> RequestOutput:
         with self._lock:
             self._requests.pop(req.seq.request_id, None)
+        if self.speculator is not None:
+            self.speculator.release(req.seq)
         if req.seq.status is SequenceStatus.FINISHED_ABORTED:
             text += req.stop.take(final=True)
             lps = lps + self._release_logprobs(req, everything=True)
@@ -329,6 +347,8 @@ class LLMEngine:
                                    seq.finish_time),
             logprobs=lps,
             prompt_logprobs=prompt_lps,
+            num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_tokens=seq.num_accepted_tokens,
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from engine.models.llama import LlamaModel
 from engine.prompt_logprobs import prompt_logprobs
 from engine.sampler import Sampler, SampleRequest, TokenLogprob
 from engine.sequence import Sequence
+from engine.spec_decode.verifier import verify_batch
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +97,11 @@ class ModelRunner:
 
     # ---- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, step: StepInput) -> tuple[list[int | None], list[TokenLogprob | None],
+    def run(self, step: StepInput) -> tuple[list[int | list[int] | None], list[TokenLogprob | None],
                                             dict[int, tuple[int, list[TokenLogprob]]]]:
-        """Forward the scheduled tokens; return a sampled token (or None) per scheduled sequence, and for
-        sequences that want prompt logprobs {index: (first prompt position scored, entries)}."""
+        """Forward the scheduled tokens; return a sampled token (or None) per scheduled sequence, or for a
+        sequence with draft tokens the verified ones plus the target's own next token; and for sequences that
+        want prompt logprobs {index: (first prompt position scored, entries)}."""
         # decodes first: the backends batch them as one block
         order = sorted(range(len(step.seqs)), key=lambda i: step.num_new_tokens[i] != 1)
         input_ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
@@ -106,6 +109,8 @@ class ModelRunner:
             seq, n = step.seqs[i], step.num_new_tokens[i]
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start:start + n])
+            if start + n > seq.num_tokens:  # draft tokens to verify
+                input_ids.extend(seq.spec_token_ids[:start + n - seq.num_tokens])
             positions.extend(range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
@@ -122,12 +127,16 @@ class ModelRunner:
         ends = host.query_start_loc[1:].tolist()  # one conversion, not a tensor index per sequence
         prompt_lps = self._prompt_logprobs(step, order, ends, hidden)
         sampling = [(ends[j] - 1, i) for j, i in enumerate(order) if step.sample_requests[i] is not None]
-        sampled: list[int | None] = [None] * len(step.seqs)
+        sampled: list[int | list[int] | None] = [None] * len(step.seqs)
         logprobs: list[TokenLogprob | None] = [None] * len(step.seqs)
         if not sampling:
             return sampled, logprobs, prompt_lps
-        rows = torch.tensor([row for row, _ in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        # a speculating sequence needs logits at each draft position too: one row per draft, then its last
+        num_drafts = [len(step.seqs[i].spec_token_ids) for _, i in sampling]
+        rows = [r for (row, _), k in zip(sampling, num_drafts) for r in range(row - k, row + 1)]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if any(num_drafts):
+            return (*self._verify(step, sampling, num_drafts, logits), prompt_lps)
         tokens, lps = self.sampler(logits, [step.sample_requests[i] for _, i in sampling])
         for (_, i), tok, lp in zip(sampling, tokens, lps):
             sampled[i] = tok
@@ -147,6 +156,26 @@ class ModelRunner:
             out[i] = (start, prompt_logprobs(self.model, hidden[row:row + stop - start],
                                              seq.token_ids[start + 1:stop + 1], seq.params.prompt_logprobs))
         return out
+
+    def _verify(self, step: StepInput, sampling: list[tuple[int, int]], num_drafts: list[int],
+                logits: torch.Tensor) -> tuple[list[int | list[int] | None], list[TokenLogprob | None]]:
+        """Sample the plain sequences; verify the speculating ones' drafts (accepted + one token each)."""
+        sampled: list[int | list[int] | None] = [None] * len(step.seqs)
+        logprobs: list[TokenLogprob | None] = [None] * len(step.seqs)
+        ends = list(itertools.accumulate(k + 1 for k in num_drafts))
+        plain = [j for j, k in enumerate(num_drafts) if not k]
+        if plain:
+            tokens, lps = self.sampler(logits[[ends[j] - 1 for j in plain]],
+                                       [step.sample_requests[sampling[j][1]] for j in plain])
+            for j, tok, lp in zip(plain, tokens, lps):
+                sampled[sampling[j][1]], logprobs[sampling[j][1]] = tok, lp
+        spec = [j for j, k in enumerate(num_drafts) if k]
+        rows = [r for j in spec for r in range(ends[j] - num_drafts[j] - 1, ends[j])]
+        verified = verify_batch(logits[rows], [step.seqs[sampling[j][1]].spec_token_ids for j in spec],
+                                [step.sample_requests[sampling[j][1]] for j in spec], self.sampler.generator)
+        for j, tokens in zip(spec, verified):
+            sampled[sampling[j][1]] = tokens
+        return sampled, logprobs
 
     def _metadata(self, positions: list[int], query_lens: list[int], seq_lens: list[int],
                   tables: list[list[int]]) -> AttentionMetadata:

@@ -98,12 +98,18 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n > 1:
+            if n > 1:  # a prompt chunk (drafts are added below, to decodes only): sized by the step-time budget
                 if prefill_budget <= 0:
                     i += 1
                     continue
                 n = min(n, prefill_budget)
                 prefill_budget -= n
+            if seq.spec_token_ids:  # drafts ride along within the budget, and never cause a preemption
+                k = min(len(seq.spec_token_ids), budget - n) if n == seq.num_tokens - seq.num_computed_tokens else 0
+                if k and not bm.can_allocate(seq, n + k):
+                    k = 0
+                del seq.spec_token_ids[k:]
+                n += k
             while not bm.can_allocate(seq, n):
                 victim = self.running.pop()  # the newest
                 self._preempt(victim)
@@ -160,32 +166,48 @@ class Scheduler:
     def _emit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         out.seqs.append(seq)
         out.num_new_tokens.append(n)
-        out.sample.append(seq.num_computed_tokens + n == seq.num_tokens)
+        out.sample.append(seq.num_computed_tokens + n >= seq.num_tokens)
         self.stats.prompt_tokens_computed += min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
 
     def _preempt(self, seq: Sequence) -> None:
         """Free everything and requeue at the front; it is recomputed (prefix cache permitting)."""
         self.block_manager.free(seq)
+        seq.spec_token_ids.clear()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, sampled: list[int | list[int] | None]) -> list[Sequence]:
         """Advance computed counts, append sampled tokens, finish on token-level stops.
 
+        A speculating sequence gets a list: its accepted draft tokens plus one token of the target's own.
+        Rejected drafts are rolled back from `num_computed_tokens` and their blocks given back.
         Returns the sequences that received a token this step (finished ones included).
         """
         got_token = []
         for seq, n, token in zip(out.seqs, out.num_new_tokens, sampled):
-            seq.num_computed_tokens += n
-            self.block_manager.publish_full_blocks(seq)
+            drafts = len(seq.spec_token_ids)
+            if not drafts:
+                seq.num_computed_tokens += n
+                self.block_manager.publish_full_blocks(seq)
             if token is None:
                 continue
-            seq.append_token(token)
-            self.stats.generation_tokens += 1
+            tokens = [token] if isinstance(token, int) else token
+            if drafts:
+                seq.num_computed_tokens += n - (drafts - (len(tokens) - 1))  # accepted drafts' K/V is valid
+                seq.spec_token_ids.clear()
+            status = None
+            for t in tokens:
+                seq.append_token(t)
+                self.stats.generation_tokens += 1
+                status = seq.check_stop_token()
+                if status is not None:
+                    break  # anything after a stop token is dropped
             got_token.append(seq)
-            status = seq.check_stop_token()
             if status is not None:
                 self.finish(seq, status)
+            elif drafts:
+                self.block_manager.publish_full_blocks(seq)
+                self.block_manager.free_tail(seq, seq.num_tokens)
         return got_token

@@ -46,6 +46,10 @@ class Sequence:
     block_digests: list[bytes] = field(default_factory=list)  # cache of its full blocks' chained digests
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
+    # speculative decoding: draft tokens scheduled after the known ones, verified by the next forward pass
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # drafted and verified so far
+    num_accepted_tokens: int = 0  # of which the target accepted
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

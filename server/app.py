@@ -83,7 +83,8 @@ class _State:
         stats = e.scheduler.stats
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
                 "kv_usage": e.block_manager.usage(), "preemptions": stats.num_preemptions,
-                "prefix_queries": stats.prefix_cache_queries, "prefix_hits": stats.prefix_cache_hits}
+                "prefix_queries": stats.prefix_cache_queries, "prefix_hits": stats.prefix_cache_hits,
+                "spec": e.speculator.stats if e.speculator is not None else None}
 
     def ready_engine(self) -> AsyncEngine:
         if self.engine is None:
@@ -216,7 +217,7 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
             "finish_reason": o["finish_reason"],
         } for i, o in enumerate(outs)]
         return {"id": rid, "object": "chat.completion", "created": created, "model": config.served_model_name,
-                "choices": choices, "usage": usage(prompt_tokens, sum(len(o["tokens"]) for o in outs))}
+                "choices": choices, "usage": usage(prompt_tokens, sum(len(o["tokens"]) for o in outs), *_drafts(outs))}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
@@ -260,7 +261,7 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
             "finish_reason": o["finish_reason"],
         } for i, o in enumerate(outs)]
         return {"id": rid, "object": "text_completion", "created": created, "model": config.served_model_name,
-                "choices": choices, "usage": usage(prompt_tokens, sum(len(o["tokens"]) for o in outs))}
+                "choices": choices, "usage": usage(prompt_tokens, sum(len(o["tokens"]) for o in outs), *_drafts(outs))}
 
     def _admit(body, count: int = 1) -> AsyncEngine:
         """Model check, then the queue limit: both before any tokenizing or streaming."""
@@ -408,8 +409,8 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 async def _collect(streams: list[RequestStream], raw: Request, state: _State) -> list[dict[str, Any]]:
     """Run to completion, watching for a client that hangs up (then abort and free everything)."""
-    outs = [{"text": "", "tokens": [], "logprobs": [], "prompt_logprobs": None, "finish_reason": None}
-            for _ in streams]
+    outs = [{"text": "", "tokens": [], "logprobs": [], "prompt_logprobs": None, "finish_reason": None,
+             "drafts": (0, 0)} for _ in streams]
 
     async def consume() -> None:
         async for i, out in _merge(streams):
@@ -419,6 +420,7 @@ async def _collect(streams: list[RequestStream], raw: Request, state: _State) ->
             o["logprobs"] += out.logprobs
             if out.prompt_logprobs is not None:
                 o["prompt_logprobs"] = out.prompt_logprobs
+            o["drafts"] = (out.num_draft_tokens, out.num_accepted_tokens)
             if out.finished:
                 o["finish_reason"] = out.finish_reason
 
@@ -440,6 +442,11 @@ async def _collect(streams: list[RequestStream], raw: Request, state: _State) ->
         for s in streams:
             s.close()
     return outs
+
+
+def _drafts(outs: list[dict[str, Any]]) -> tuple[int, int]:
+    """Speculative decoding's (drafted, accepted) token counts over a response's choices."""
+    return sum(o["drafts"][0] for o in outs), sum(o["drafts"][1] for o in outs)
 
 
 def _sse(chunks: AsyncIterator[str]) -> EventSourceResponse:
@@ -471,15 +478,17 @@ def _chat_chunks(streams, rid, created, model, prompt_tokens, include_usage, tok
         for i in range(len(streams)):
             yield chunk(i, {"role": "assistant", "content": ""})
         completion_tokens = 0
+        drafts = [{"drafts": (0, 0)} for _ in streams]
         async for i, out in _merge(streams):
             completion_tokens += len(out.new_token_ids)
+            drafts[i]["drafts"] = (out.num_draft_tokens, out.num_accepted_tokens)
             lp = {"content": _chat_logprobs(tokenizer, out.logprobs)} if want_logprobs and out.logprobs else None
             if out.text or lp or out.finished:
                 yield chunk(i, {"content": out.text} if out.text else {},
                             out.finish_reason if out.finished else None, lp)
         if include_usage:
             yield json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                              "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+                              "choices": [], "usage": usage(prompt_tokens, completion_tokens, *_drafts(drafts))})
 
     return _guard(gen())
 
@@ -496,8 +505,10 @@ def _completion_chunks(streams, rid, created, model, prompt_tokens, include_usag
                 yield chunk(i, text)
         completion_tokens = 0
         offsets = [len(text) for text in echo]  # text_offset counts the echoed prompt and earlier chunks
+        drafts = [{"drafts": (0, 0)} for _ in streams]
         async for i, out in _merge(streams):
             completion_tokens += len(out.new_token_ids)
+            drafts[i]["drafts"] = (out.num_draft_tokens, out.num_accepted_tokens)
             lp = None
             if want_logprobs:
                 if out.prompt_logprobs is not None:  # the echoed prompt's own entries come first, from offset 0
@@ -510,7 +521,7 @@ def _completion_chunks(streams, rid, created, model, prompt_tokens, include_usag
                 yield chunk(i, out.text, out.finish_reason if out.finished else None, lp)
         if include_usage:
             yield json.dumps({"id": rid, "object": "text_completion", "created": created, "model": model,
-                              "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+                              "choices": [], "usage": usage(prompt_tokens, completion_tokens, *_drafts(drafts))})
 
     return _guard(gen())
 

@@ -42,6 +42,26 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self.model_name], snap[key])
             yield c
+        spec = snap.get("spec")
+        if spec is not None:  # only when speculative decoding is on, as in vLLM
+            yield from _spec_metrics(spec, self.model_name)
+
+
+def _spec_metrics(spec, model_name: str):
+    for name, doc, value in (
+        ("vllm:spec_decode_num_drafts", "Verification passes that had draft tokens.", spec.num_drafts),
+        ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens", "Draft tokens the target accepted.", spec.num_accepted_tokens),
+    ):
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric([model_name], value)
+        yield c
+    c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                            "Accepted draft tokens by position in the draft (0 = first).",
+                            labels=["model_name", "position"])
+    for pos, value in enumerate(spec.accepted_per_pos):
+        c.add_metric([model_name, str(pos)], value)
+    yield c
 
 
 class Metrics:

@@ -163,9 +163,14 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, draft_tokens: int = 0, accepted_tokens: int = 0) -> dict:
+    """OpenAI's usage; with speculative decoding, the drafts in its predicted-output fields."""
+    out: dict = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+    if draft_tokens:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted_tokens,
+                                            "rejected_prediction_tokens": draft_tokens - accepted_tokens}
+    return out
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

@@ -1,0 +1,30 @@
+"""Speculative decoding: proposers (n-gram lookup, draft model), exact verification, adaptive γ."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.spec_decode.proposer import NgramProposer, Proposer
+from engine.spec_decode.speculator import SpecStats, Speculator
+
+__all__ = ["NgramProposer", "Proposer", "Speculator", "SpecStats", "build_speculator"]
+
+
+def build_speculator(config: EngineConfig, target: ModelConfig, num_blocks: int, max_len: int,
+                     device: torch.device) -> Speculator | None:
+    """The configured speculator, or None for `speculative_method="none"`."""
+    if config.speculative_method == "none":
+        return None
+    if config.speculative_method == "ngram":
+        proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    else:
+        import dataclasses
+
+        from engine.config import bundled_model_path
+        from engine.spec_decode.draft_model import DraftModelProposer
+
+        if config.draft_model is None:  # self-draft: the target in another dtype / quantization
+            config = dataclasses.replace(config, draft_model=config.model or bundled_model_path())
+        proposer = DraftModelProposer(config, target.vocab_size, num_blocks, max_len, device)
+    return Speculator(proposer, config.num_speculative_tokens)
