@@ -208,3 +208,33 @@ def run_to_completion_prompt(engine, rid):
             if out.request_id == rid and out.prompt_logprobs is not None:
                 plp = out.prompt_logprobs
     return plp
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind,extra", [("qwen2", dict(tie_word_embeddings=True)),
+                                        ("llama", dict(tie_word_embeddings=False))])
+def test_hf_directory_quantized_on_load(tmp_path, fmt, kind, extra):
+    """An HF checkpoint loads quantized: each fused projection holds exactly quantize(HF tensor) per piece,
+    biases stay dense, the LM head follows --quantize-lm-head, and the engine generates."""
+    from test_models import _hf_checkpoint
+
+    from engine import LLM, SamplingParams
+    from engine.quant.modules import QuantEmbedding, QuantLinear
+
+    hf = _hf_checkpoint(tmp_path, kind, **extra)
+    llm = LLM(str(tmp_path), quantization=fmt, dtype="float32", num_blocks=32, quantize_lm_head=True)
+    model = llm.engine.runner.model
+    sd = {k: v.float() for k, v in hf.state_dict().items()}
+    group = default_group_size([64, 96])
+    assert group == 32
+    attn = model.layers[1].self_attn
+    expected = cat([quantize(sd[f"model.layers.1.self_attn.{p}_proj.weight"], fmt, group) for p in "qkv"])
+    assert torch.equal(attn.qkv_proj.qweight.dequantize(), expected.dequantize())
+    if kind == "qwen2":
+        bias = torch.cat([sd[f"model.layers.1.self_attn.{p}_proj.bias"] for p in "qkv"])
+        assert torch.equal(attn.qkv_proj.bias, bias)
+    assert isinstance(model.lm_head, QuantLinear) and isinstance(model.embed_tokens, QuantEmbedding)
+    emb = model.embed_tokens(torch.tensor([3, 5]))
+    assert _rel(emb, sd["model.embed_tokens.weight"][[3, 5]]) < 0.01  # int8 rows
+    out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 5

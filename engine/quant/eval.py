@@ -168,7 +168,9 @@ def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtyp
         row = Row(fmt, round(bits, 4), round(sum(sizes.values()) / 2**20, 2), round(err_mean, 5), round(err_max, 5),
                   round(ppl, 3), score, round(agreement, 4), positions, round(time.perf_counter() - t0, 1))
         rows.append(row)
-        log(f"  {fmt}: done in {row.seconds:.0f}s")
+        log(f"  {fmt}: bits {row.bits_per_weight:.3f}, {row.weight_mib:.1f} MiB, error {row.rel_error_mean:.4f} / "
+            f"{row.rel_error_max:.4f}, perplexity {row.perplexity:.2f}, battery {row.battery}/16, agreement "
+            f"{row.agreement:.3f} ({row.seconds:.0f} s)")
         del llm
     return rows
 

@@ -290,14 +290,16 @@ class NF4Weight(QuantWeight):
 
     def __init__(self, codes: torch.Tensor, absmax: torch.Tensor) -> None:
         self.codes = codes  # uint8 [N, K/2]
-        self.absmax = absmax  # fp16 [N, K/64]
+        self.absmax = absmax  # fp16 [N, K/block]
         self.shape = (codes.shape[0], codes.shape[1] * 2)
+        self.block = self.shape[1] // absmax.shape[1]
         self._levels = NF4_LEVELS
 
     @classmethod
     def quantize(cls, w: torch.Tensor) -> NF4Weight:
         n, k = w.shape
-        wg = _grouped(w, NF4_BLOCK)
+        # QLoRA's block of 64; 32 where the in-features are not a multiple of 64
+        wg = _grouped(w, NF4_BLOCK if k % NF4_BLOCK == 0 else NF4_BLOCK // 2)
         absmax = wg.abs().amax(dim=-1).clamp(min=1e-8).half()
         normed = wg / absmax.float()[:, :, None]
         # nearest level: midpoints between sorted levels are the decision boundaries
@@ -307,7 +309,7 @@ class NF4Weight(QuantWeight):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
-        vals = self._levels.to(dtype)[unpack_nibbles(self.codes).long()].view(n, -1, NF4_BLOCK)
+        vals = self._levels.to(dtype)[unpack_nibbles(self.codes).long()].view(n, -1, self.block)
         return (vals * self.absmax.to(dtype)[:, :, None]).view(n, k)
 
     def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
