@@ -22,6 +22,7 @@ from engine.sampler import SampleRequest, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.structured import StructuredOutputs
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids |= {self.tokenizer.eos_token_id}
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
         self._requests: dict[str, _Request] = {}
         self._inbox: list[tuple[str, object]] = []
         self._lock = threading.Lock()
@@ -141,6 +143,7 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len or max_tokens < 1:
             raise ContextLengthExceededError(n, max(max_tokens, 1), self.max_model_len)
+        self.structured.check(params)
         return max_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -155,7 +158,7 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         req = _Request(seq, IncrementalDetokenizer(self._detok_tokenizer, ids), StopStringMatcher(params.stop),
-                       SampleRequest(params, [], generator))
+                       SampleRequest(params, [], generator, self.structured.constraint_for(params)))
         with self._lock:
             if request_id in self._requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -191,6 +194,8 @@ class LLMEngine:
             if r.sample.params.needs_penalties:
                 r.sample.output_token_ids = r.seq.output_token_ids
         sample = [r.sample if want else None for r, want in zip(reqs, sched.sample)]
+        self.structured.begin_step([(r.sample.constraint, r.seq) for r, want in zip(reqs, sched.sample)
+                                    if want and r.sample.constraint is not None])
         sampled, logprobs = self.runner.run(StepInput(sched.seqs, sched.num_new_tokens, sample))
         lp_of = {s.seq_id: lp for s, lp in zip(sched.seqs, logprobs) if lp is not None}
         for seq in self.scheduler.update(sched, sampled):
@@ -213,6 +218,8 @@ class LLMEngine:
     def _emit(self, req: _Request, logprob: TokenLogprob | None) -> RequestOutput:
         seq = req.seq
         token = seq.token_ids[-1]
+        if req.sample.constraint is not None and req.sample.constraint.matcher is not None:
+            self._advance_grammar(req, token)
         req.stop.feed(req.detokenizer.push([token]))
         if req.stop.stopped and not seq.is_finished:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
@@ -221,6 +228,16 @@ class LLMEngine:
         if seq.is_finished:
             return self._finish_output(req, [token], text, lps)
         return self._output(req, [token], text, lps)
+
+    def _advance_grammar(self, req: _Request, token: int) -> None:
+        """Feed the accepted token to the request's grammar; a complete grammar ends the request ("stop")."""
+        seq, matcher = req.seq, req.sample.constraint.matcher
+        if matcher.num_consumed != seq.num_output_tokens - 1:
+            matcher.sync(seq.output_token_ids[:-1])
+        if not matcher.accept(token):
+            logger.warning("request %s: token %d rejected by its grammar: %s", seq.request_id, token, matcher.error)
+        if matcher.is_terminated and not seq.is_finished:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
 
     def _finish_output(self, req: _Request, tokens: list[int], text: str, lps: list) -> RequestOutput:
         with self._lock:
