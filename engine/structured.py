@@ -24,7 +24,11 @@ from engine.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "lark"]
+# JSON as json.dumps writes it: one space after ':' and ',', no other whitespace. Flexible whitespace lets
+# a small model at temperature 1 pad an object with newlines until max_tokens; a schema may opt back in
+# through its "x-guidance" options.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _BITS = torch.arange(32, dtype=torch.int32)
 GRAMMAR_CACHE_SIZE = 256
 
@@ -48,12 +52,13 @@ def grammar_of(spec: StructuredSpec) -> str:
     """llguidance grammar text for a spec (not yet validated)."""
     try:
         if spec.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
         if spec.kind == "json_schema":
             schema = json.loads(spec.value) if isinstance(spec.value, str) else spec.value
             if not isinstance(schema, dict):
                 raise InvalidRequestError("the JSON schema must be an object", "response_format")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={"lenient": not spec.strict})
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE,
+                                                                 overrides={"lenient": not spec.strict})
         if spec.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(str(spec.value))
         if spec.kind == "choice":
@@ -61,6 +66,8 @@ def grammar_of(spec: StructuredSpec) -> str:
             if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
                 raise InvalidRequestError("choice must be a non-empty list of strings", "guided_choice")
             return llguidance.grammar_from("choice", choices)
+        if spec.kind == "lark":  # llguidance's Lark dialect (%json etc.), as built by the server's tool calls
+            return llguidance.LLMatcher.grammar_from_lark(str(spec.value))
         if spec.kind == "grammar":
             return llguidance.grammar_from("grammar", str(spec.value))  # Lark, or GBNF converted to Lark
     except (ValueError, TypeError) as e:

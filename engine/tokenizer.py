@@ -59,10 +59,10 @@ def _gguf_tokenizer(path: str):
     return tok
 
 
-def apply_chat_template(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+def apply_chat_template(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use completions with a plain prompt")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
