@@ -67,7 +67,10 @@ def render_messages(messages: list[dict[str, Any]], tools: list[dict] | None, ch
     text."""
     offered = tools if choice.mode != "none" else None
     if "tools" in (getattr(tokenizer, "chat_template", None) or ""):
-        return messages, offered
+        # templates write arguments with `tojson`: hand them objects, not the JSON strings OpenAI sends
+        return [{**m, "tool_calls": [{**c, "function": {**c.get("function", {}), **_call_json(c)}}
+                                     for c in m["tool_calls"]]} if m.get("tool_calls") else m
+                for m in messages], offered
     out = []
     for m in messages:
         m = dict(m)
