@@ -117,6 +117,16 @@ def test_json_object_regex_choice_and_grammar(client):
     assert re.fullmatch(r"The answer is [0-9][0-9]?\.", r.choices[0].text)
 
 
+def test_n_choices_each_follow_the_schema(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[0], "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A person, as JSON"}],
+                                       response_format=fmt, n=3, temperature=1, seed=11, max_tokens=MAX_TOKENS)
+    assert len(r.choices) == 3
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), SCHEMAS[0])
+
+
 class City(BaseModel):
     name: str = Field(max_length=12)
     population: int = Field(ge=0, le=10_000_000)

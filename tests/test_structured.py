@@ -182,7 +182,7 @@ def test_mask_application_unit(smollm):
     allowed = (logits[0] > float("-inf")).nonzero().flatten().tolist()
     assert allowed == [smollm.tokenizer.encode("yes")[0]]
     assert torch.all(logits[1] == 0)
-    empty = TokenConstraint(matcher=c.matcher, allowed=torch.zeros(1536, dtype=torch.int32))
+    empty = TokenConstraint(matcher=c.matcher, blocked=torch.ones(49152, dtype=torch.bool))
     logits = torch.zeros(1, 49152)
     apply_constraints(logits, [empty])
     assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [c.matcher.eos_token_id]
