@@ -4,9 +4,10 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.errors import ContextLengthExceededError, InvalidRequestError, ModelLoadError
 from engine.llm_engine import LLM, GenerationResult, LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredSpec
 
 __all__ = [
     "LLM", "LLMEngine", "RequestOutput", "GenerationResult", "SamplingParams", "EngineConfig", "CacheConfig",
     "SchedulerConfig", "ModelConfig", "make_config", "InvalidRequestError", "ContextLengthExceededError",
-    "ModelLoadError",
+    "ModelLoadError", "StructuredSpec",
 ]

@@ -26,6 +26,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode import build_speculator
 from engine.step_cost import StepCostModel, StepShape
+from engine.structured import StructuredOutputs
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids |= {self.tokenizer.eos_token_id}
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
         self._requests: dict[str, _Request] = {}
         self._inbox: list[tuple[str, object]] = []
         self._lock = threading.Lock()
@@ -164,10 +166,10 @@ class LLMEngine:
                 return list(self.tokenizer.encode(prompt, add_special_tokens=True)) if prompt else []
         return list(prompt)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Chat messages -> prompt token ids through the model's template. Any thread."""
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Chat messages (and tools, for templates that take them) -> prompt token ids. Any thread."""
         with self._tokenizer_lock:
-            return apply_chat_template(self.tokenizer, messages)
+            return apply_chat_template(self.tokenizer, messages, tools=tools)
 
     def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
         """Refuse a text that cannot fit the context whatever its tokens, before paying to tokenize it."""
@@ -189,6 +191,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        self.structured.check(params)
         return max_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -206,7 +209,7 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         req = _Request(seq, IncrementalDetokenizer(self._detok_tokenizer, ids), StopStringMatcher(params.stop),
-                       SampleRequest(params, [], generator))
+                       SampleRequest(params, [], generator, self.structured.constraint_for(params)))
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
         with self._lock:
@@ -248,6 +251,8 @@ class LLMEngine:
             if r.sample.params.needs_penalties:
                 r.sample.output_token_ids = r.seq.output_token_ids
         sample = [r.sample if want else None for r, want in zip(reqs, sched.sample)]
+        self.structured.begin_step([(r.sample.constraint, r.seq) for r, want in zip(reqs, sched.sample)
+                                    if want and r.sample.constraint is not None])
         shape = StepShape.of(sched.num_new_tokens, [s.num_computed_tokens + n for s, n in
                                                     zip(sched.seqs, sched.num_new_tokens)])
         t0 = time.perf_counter()
@@ -290,6 +295,8 @@ class LLMEngine:
         seq = req.seq
         tokens = seq.token_ids[num_before:]
         for j, token in enumerate(tokens):
+            if req.sample.constraint is not None and req.sample.constraint.matcher is not None:
+                self._advance_grammar(req, token)  # constrained requests do not speculate: one token
             delta = req.detokenizer.push([token])
             if logprob is not None:  # requests with logprobs do not speculate: one token
                 req.held_logprobs.append((req.text_fed, logprob))
@@ -309,6 +316,16 @@ class LLMEngine:
         if seq.is_finished:
             return self._finish_output(req, tokens, text, lps)
         return self._output(req, tokens, text, lps)
+
+    def _advance_grammar(self, req: _Request, token: int) -> None:
+        """Feed the accepted token to the request's grammar; a complete grammar ends the request ("stop")."""
+        seq, matcher = req.seq, req.sample.constraint.matcher
+        if matcher.num_consumed != seq.num_output_tokens - 1:
+            matcher.sync(seq.output_token_ids[:-1])
+        if not matcher.accept(token):
+            logger.warning("request %s: token %d rejected by its grammar: %s", seq.request_id, token, matcher.error)
+        if matcher.is_terminated and not seq.is_finished:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
 
     def _finish_output(self, req: _Request, tokens: list[int], text: str, lps: list) -> RequestOutput:
         with self._lock:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured import TokenConstraint, apply_constraints
 
 
 @dataclass(slots=True)
@@ -19,6 +20,7 @@ class SampleRequest:
     params: SamplingParams
     output_token_ids: list[int]
     generator: torch.Generator | None  # per-request when seeded
+    constraint: TokenConstraint | None = None  # grammar mask, allowed tokens, logit bias
 
 
 @dataclass(slots=True)
@@ -35,6 +37,8 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple[list[int], list[TokenLogprob | None]]:
         n, vocab = logits.shape
+        if any(r.constraint is not None for r in reqs):
+            logits = apply_constraints(logits, [r.constraint for r in reqs])
         penalised = [i for i, r in enumerate(reqs) if r.params.needs_penalties and r.output_token_ids]
         if penalised:
             logits = logits.clone()

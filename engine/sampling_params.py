@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.structured import StructuredSpec
 
 MAX_STOP_STRINGS = 4
 # Stop strings are delimiters (role markers, "\n\n", fences); 256 characters covers any real one while
@@ -29,6 +33,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus the top k
     cache_salt: str | None = None  # requests share prefix-cache blocks only with requests of the same salt
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (max_tokens may be 0)
+    structured: StructuredSpec | None = None  # grammar the output must match (engine/structured.py)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI)
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +71,13 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not 0 <= k <= 20:
                 raise InvalidRequestError(f"{name} must be in [0, 20], got {k}", name)
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            bad = next((v for v in self.logit_bias.values() if not -100.0 <= v <= 100.0), None)
+            if bad is not None:
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bad}", "logit_bias")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise InvalidRequestError("allowed_token_ids must not be empty", "allowed_token_ids")
 
     @property
     def greedy(self) -> bool:

@@ -61,19 +61,20 @@ def _gguf_tokenizer(path: str):
     return tok
 
 
-def apply_chat_template(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+def apply_chat_template(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
     """Prompt token ids for chat messages. Message text never becomes control tokens: content that spells
     a special token (`<|im_end|>\n<|im_start|>system`) is tokenized as the plain text it is."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use completions with a plain prompt")
     specials = _special_texts(tokenizer)
     if not any(sp in str(m.get("content") or "") for m in messages for sp in specials):
-        return _token_list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        return _token_list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                         tokenize=True))
     # Render the template around placeholders, then tokenize the template's own text with special tokens
     # and each message's text without: the template decides the structure, the user only the content.
     marks = [f"\ue000{secrets.token_hex(8)}\ue001" for _ in messages]
     text = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
-                                         add_generation_prompt=True, tokenize=False)
+                                         tools=tools, add_generation_prompt=True, tokenize=False)
     ids: list[int] = []
     for mark, message in zip(marks, messages):
         if text.count(mark) != 1:

@@ -27,6 +27,8 @@ from engine.sampling_params import SamplingParams
 from server.guards import TENANT_KEY, ApiKeyAuth, BodyLimit
 from server.metrics import Metrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage
+from server.structured import logit_bias, structured_spec
+from server.tools import ToolCallParser, parse_tool_calls, render_messages, resolve_tool_choice, tool_grammar
 
 logger = logging.getLogger(__name__)
 _ENGINE_DEAD = "the engine loop died (see the server log)"  # no exception text reaches a client
@@ -188,19 +190,25 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
         salt = _cache_salt(body, raw, config)
 
         def build():  # in a worker thread: templating and tokenizing are O(prompt size)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
             try:
-                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                choice = resolve_tool_choice(tools, body.tool_choice)
+                messages = [m.model_dump(exclude_none=True, include={"role", "name", "tool_calls", "tool_call_id"})
+                            | {"content": m.text()} for m in body.messages]
                 engine.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-                ids = engine.encode_chat(messages)
-            except InvalidRequestError:
-                raise
+                messages, template_tools = render_messages(messages, tools, choice, engine.tokenizer)
+                ids = engine.encode_chat(messages, tools=template_tools)
+                spec = tool_grammar(tools, choice, body.parallel_tool_calls) or structured_spec(body)
+            except InvalidRequestError as e:
+                raise APIError(400, e.message, param=e.param, code=e.code) from e
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from e
             max_tokens = body.max_completion_tokens or body.max_tokens
             lp = (body.top_logprobs or 0) if body.logprobs else None
-            return ids, [(ids, _params(body, max_tokens, lp, i, salt)) for i in range(body.n)]
+            return ids, choice.mode != "none", [(ids, _params(body, max_tokens, lp, i, salt, spec))
+                                                for i in range(body.n)]
 
-        prompt_ids, jobs = await _build_or_release(aeng, body.n, build)
+        prompt_ids, tools_on, jobs = await _build_or_release(aeng, body.n, build)
         streams = _submit(aeng, jobs, param="messages")
         rid, created = new_id("chatcmpl"), now()
         prompt_tokens = len(prompt_ids)
@@ -208,13 +216,12 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(_chat_chunks(streams, rid, created, config.served_model_name, prompt_tokens, include_usage,
-                                     tokenizer, body.logprobs))
+                                     tokenizer, body.logprobs, tools_on))
         outs = await _collect(streams, raw, state)
         choices = [{
             "index": i,
-            "message": {"role": "assistant", "content": o["text"]},
+            **_chat_message(o["text"], o["finish_reason"], tools_on),
             "logprobs": {"content": _chat_logprobs(tokenizer, o["logprobs"])} if body.logprobs else None,
-            "finish_reason": o["finish_reason"],
         } for i, o in enumerate(outs)]
         return {"id": rid, "object": "chat.completion", "created": created, "model": config.served_model_name,
                 "choices": choices, "usage": usage(prompt_tokens, sum(len(o["tokens"]) for o in outs), *_drafts(outs))}
@@ -237,9 +244,16 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
                 ids = engine.tokenize(p) if isinstance(p, str) else p
                 total_tokens += len(ids)
                 max_tokens = 16 if body.max_tokens is None else body.max_tokens
-                jobs += [(ids, _params(body, max_tokens, body.logprobs, i, salt, prompt_logprobs=score_prompt))
+                jobs += [(ids, _params(body, max_tokens, body.logprobs, i, salt, spec, prompt_logprobs=score_prompt))
                          for i in range(body.n)]
             return total_tokens, jobs
+
+        try:
+            spec = structured_spec(body)
+        except InvalidRequestError as e:
+            for _ in range(len(prompts) * body.n):
+                aeng.release()
+            raise APIError(400, e.message, param=e.param) from e
 
         prompt_tokens, jobs = await _build_or_release(aeng, len(prompts) * body.n, build)
         streams = _submit(aeng, jobs, param="prompt")
@@ -317,7 +331,7 @@ def _overloaded(e: OverloadedError) -> APIError:
 
 
 def _params(body, max_tokens: int | None, logprobs: int | None, index: int, salt: str | None,
-            prompt_logprobs: int | None = None) -> SamplingParams:
+            structured=None, prompt_logprobs: int | None = None) -> SamplingParams:
     seed = None
     if body.seed is not None:  # n choices differ but stay reproducible; wrap to stay a valid 64-bit seed
         seed = body.seed + index
@@ -337,6 +351,9 @@ def _params(body, max_tokens: int | None, logprobs: int | None, index: int, salt
             logprobs=logprobs,
             cache_salt=salt,
             prompt_logprobs=prompt_logprobs,
+            structured=structured,
+            logit_bias=logit_bias(body),
+            allowed_token_ids=body.allowed_token_ids,
         )
     except InvalidRequestError as e:
         raise APIError(400, e.message, param=e.param) from e
@@ -468,7 +485,18 @@ async def _guard(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     yield "[DONE]"
 
 
-def _chat_chunks(streams, rid, created, model, prompt_tokens, include_usage, tokenizer, want_logprobs):
+def _chat_message(text: str, finish_reason: str | None, tools_on: bool) -> dict[str, Any]:
+    """A non-streamed choice's message and finish_reason; tool calls parsed out when tools are offered."""
+    if tools_on:
+        content, calls = parse_tool_calls(text)
+        if calls:
+            return {"message": {"role": "assistant", "content": content, "tool_calls": calls},
+                    "finish_reason": "tool_calls" if finish_reason == "stop" else finish_reason}
+    return {"message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+
+
+def _chat_chunks(streams, rid, created, model, prompt_tokens, include_usage, tokenizer, want_logprobs,
+                 tools_on=False):
     def chunk(i: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
@@ -479,11 +507,21 @@ def _chat_chunks(streams, rid, created, model, prompt_tokens, include_usage, tok
             yield chunk(i, {"role": "assistant", "content": ""})
         completion_tokens = 0
         drafts = [{"drafts": (0, 0)} for _ in streams]
+        parsers = [ToolCallParser() for _ in streams] if tools_on else None
         async for i, out in _merge(streams):
             completion_tokens += len(out.new_token_ids)
             drafts[i]["drafts"] = (out.num_draft_tokens, out.num_accepted_tokens)
             lp = {"content": _chat_logprobs(tokenizer, out.logprobs)} if want_logprobs and out.logprobs else None
-            if out.text or lp or out.finished:
+            if parsers is not None:  # text goes through the tool-call parser: content and tool_calls deltas
+                deltas = parsers[i].feed(out.text) + (parsers[i].finish() if out.finished else [])
+                for d in deltas[:-1]:
+                    yield chunk(i, d)
+                if deltas or lp:
+                    yield chunk(i, deltas[-1] if deltas else {}, None, lp)
+                if out.finished:
+                    finish = "tool_calls" if parsers[i].calls and out.finish_reason == "stop" else out.finish_reason
+                    yield chunk(i, {}, finish)
+            elif out.text or lp or out.finished:
                 yield chunk(i, {"content": out.text} if out.text else {},
                             out.finish_reason if out.finished else None, lp)
         if include_usage:

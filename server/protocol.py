@@ -15,12 +15,8 @@ from engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 # refused with a 400 naming it, unless its value is inert (the predicate on the value and the whole body).
 # Implementing one of them = declaring it as a field below and deleting its entry here.
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "response_format": lambda v, body: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "tools": lambda v, body: not v,
-    "tool_choice": lambda v, body: v in (None, "none"),
     "functions": lambda v, body: not v,
     "function_call": lambda v, body: v in (None, "none"),
-    "logit_bias": lambda v, body: not v,
     "suffix": lambda v, body: not v,
     "best_of": lambda v, body: v is None or v == body.get("n", 1),
     "audio": lambda v, body: v is None,
@@ -86,6 +82,14 @@ class _Request(BaseModel):
                 raise PydanticCustomError("invalid_unicode", "{param}: the text contains a lone UTF-16 surrogate, "
                                           "which is not valid Unicode", {"param": name})
         return data
+    # structured output (server/structured.py): OpenAI's response_format, vLLM's guided_* extensions
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None  # extension (vLLM)
 
     @field_validator("stop")
     @classmethod
@@ -106,12 +110,40 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # role "tool": which call this answers
 
     def text(self) -> str:
         """Plain text content; multi-part messages keep their text parts."""
@@ -132,6 +164,9 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_Request):

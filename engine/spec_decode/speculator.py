@@ -157,8 +157,12 @@ class Speculator:
     def gamma(self, seq: Sequence) -> int:
         """How many drafts `seq` gets this step (0 = plain decoding)."""
         remaining = seq.max_tokens - seq.num_output_tokens - 1  # drafts past max_tokens would be wasted
-        if (seq.num_tokens - seq.num_computed_tokens != 1 or remaining < 1 or seq.params.logprobs is not None):
-            return 0  # prefilling; about to end; logprobs are reported per sampled token, not verified ones
+        p = seq.params
+        if (seq.num_tokens - seq.num_computed_tokens != 1 or remaining < 1 or p.logprobs is not None
+                or p.structured is not None or p.logit_bias or p.allowed_token_ids is not None):
+            # prefilling; about to end; logprobs are reported per sampled token, not verified ones; token masks
+            # (grammar, bias) are applied by the sampler, not by the verifier
+            return 0
         cap = min(self.max_gamma, remaining)
         if not self.adaptive:
             return cap

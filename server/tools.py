@@ -1,0 +1,311 @@
+"""Tool calling: tools into the prompt, `tool_choice` into a grammar, the model's `<tool_call>` output into
+OpenAI `tool_calls` (whole, or as the streamed delta sequence).
+
+The format is Hermes / Qwen2.5 / Qwen3's: each call is `<tool_call>\\n{"name": ..., "arguments": {...}}\\n
+</tool_call>`. A chat template that renders `tools` itself (it mentions them) gets them as is; one that
+does not (the bundled SmolLM2's) gets them described in the system message in that same format, so one
+parser and one grammar serve both. `required` and a named function are enforced by the grammar; `auto`
+lets the model choose and the parser finds what it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import InvalidRequestError
+from engine.structured import JSON_STYLE, StructuredSpec
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+_SYSTEM = (
+    "You can call functions. Their signatures are listed inside <tools></tools> XML tags:\n<tools>\n{tools}\n"
+    "</tools>\nTo call a function, write a JSON object with its name and arguments inside <tool_call>"
+    "</tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n"
+    "</tool_call>"
+)
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: str  # "none" | "auto" | "required" | "named"
+    name: str | None = None
+
+
+def resolve_tool_choice(tools: list[dict] | None, tool_choice: Any) -> ToolChoice:
+    """Validate tools / tool_choice as OpenAI does; 400 (InvalidRequestError) on a mismatch."""
+    names = [t["function"]["name"] for t in tools or []]
+    if len(set(names)) != len(names):
+        raise InvalidRequestError("tool function names must be unique", "tools")
+    if tool_choice is None:
+        return ToolChoice("auto" if tools else "none")
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise InvalidRequestError(f"tool_choice must be 'none', 'auto', 'required' or a function, got "
+                                      f"{tool_choice!r}", "tool_choice")
+        if tool_choice != "none" and not tools:
+            raise InvalidRequestError(f"tool_choice {tool_choice!r} needs `tools`", "tool_choice")
+        return ToolChoice(tool_choice)
+    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+    if tool_choice.get("type") != "function" or not isinstance(name, str):
+        raise InvalidRequestError("a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                                  "tool_choice")
+    if name not in names:
+        raise InvalidRequestError(f"tool_choice names function {name!r}, which is not in `tools`", "tool_choice")
+    return ToolChoice("named", name)
+
+
+def render_messages(messages: list[dict[str, Any]], tools: list[dict] | None, choice: ToolChoice,
+                    tokenizer) -> tuple[list[dict[str, Any]], list[dict] | None]:
+    """Messages (and the tools argument) for the chat template.
+
+    A template that mentions `tools` renders them, assistant tool_calls and tool turns itself. Otherwise
+    tools go into the system message and past calls / results become `<tool_call>` / `<tool_response>`
+    text."""
+    offered = tools if choice.mode != "none" else None
+    if "tools" in (getattr(tokenizer, "chat_template", None) or ""):
+        # templates write arguments with `tojson`: hand them objects, not the JSON strings OpenAI sends
+        return [{**m, "tool_calls": [{**c, "function": {**c.get("function", {}), **_call_json(c)}}
+                                     for c in m["tool_calls"]]} if m.get("tool_calls") else m
+                for m in messages], offered
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            calls = "\n".join(f"{OPEN}\n{json.dumps(_call_json(c))}\n{CLOSE}" for c in m.pop("tool_calls"))
+            m["content"] = f"{m.get('content') or ''}{calls}"
+        if m["role"] == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+        out.append(m)
+    if offered:
+        listing = "\n".join(json.dumps(t) for t in offered)
+        text = _SYSTEM.format(tools=listing)
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "role": "system", "content": f"{out[0].get('content') or ''}\n\n{text}"}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out, None
+
+
+def _call_json(call: dict) -> dict:
+    fn = call.get("function") or {}
+    args = fn.get("arguments") or "{}"
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError:
+        pass  # keep the string: the model sees what the client sent
+    return {"name": fn.get("name"), "arguments": args}
+
+
+def tool_grammar(tools: list[dict], choice: ToolChoice, parallel: bool) -> StructuredSpec | None:
+    """A Lark grammar forcing one (or, with parallel_tool_calls, one or more) calls to the allowed
+    functions with schema-valid arguments; None for auto / none."""
+    if choice.mode not in ("required", "named"):
+        return None
+    variants = []
+    for t in tools:
+        fn = t["function"]
+        if choice.mode == "named" and fn["name"] != choice.name:
+            continue
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        variants.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                         "required": ["name", "arguments"], "additionalProperties": False})
+    schema = {"anyOf": variants, "x-guidance": {**JSON_STYLE, "lenient": True}}
+    repeat = ' ("\\n" call)*' if parallel and choice.mode == "required" else ""
+    lark = (f"start: call{repeat}\ncall: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
+            f"body: %json {json.dumps(schema)}\n")
+    return StructuredSpec("lark", lark)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+@dataclass
+class _Call:
+    id: str
+    index: int = -1  # assigned when announced
+    text: str = ""  # the call body so far (between the tags)
+    name: str | None = None
+    args_start: int = -1  # where the arguments value starts in `text`
+    args_sent: int = 0  # how much of the arguments text has been sent
+    args_done: bool = False
+    depth: int = 0
+    in_string: bool = False
+    escape: bool = False
+    scanned: int = 0
+
+
+@dataclass
+class ToolCallParser:
+    """Incremental: `feed(text)` / `finish()` return OpenAI deltas ({"content": ...} or {"tool_calls": [...]}).
+
+    Non-streamed responses run the same parser over the whole text, so both agree exactly. A call's name
+    is sent once known, then its arguments exactly as the model wrote them, as they arrive."""
+
+    buf: str = ""
+    in_call: _Call | None = None
+    calls: list[dict] = field(default_factory=list)  # finished calls, OpenAI shape
+    content: str = ""
+    num_announced: int = 0
+
+    def feed(self, text: str) -> list[dict]:
+        self.buf += text
+        out: list[dict] = []
+        while True:
+            if self.in_call is None:
+                i = self.buf.find(OPEN)
+                if i < 0:
+                    keep = _partial_suffix(self.buf, OPEN)
+                    self._content(self.buf[:len(self.buf) - keep], out)
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    return out
+                self._content(self.buf[:i], out)
+                self.buf = self.buf[i + len(OPEN):]
+                self.in_call = _Call(new_call_id())
+                continue
+            call = self.in_call
+            j = self.buf.find(CLOSE)
+            if j < 0:
+                keep = _partial_suffix(self.buf, CLOSE)
+                call.text += self.buf[:len(self.buf) - keep]
+                self.buf = self.buf[len(self.buf) - keep:]
+                self._progress(call, out)
+                return out
+            call.text += self.buf[:j]
+            self.buf = self.buf[j + len(CLOSE):]
+            self._progress(call, out)
+            self._close(call, out)
+
+    def finish(self) -> list[dict]:
+        """End of output: flush held-back text; a call cut short still counts if its JSON is complete."""
+        out: list[dict] = []
+        if self.in_call is not None:
+            self.in_call.text += self.buf
+            self.buf = ""
+            self._progress(self.in_call, out)
+            self._close(self.in_call, out, closed=False)
+        elif self.buf:
+            self._content(self.buf, out)
+            self.buf = ""
+        return out
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _content(self, text: str, out: list[dict]) -> None:
+        if text:
+            self.content += text
+            if text.strip() or not self.num_announced:  # not the newlines between calls
+                out.append({"content": text})
+
+    def _progress(self, call: _Call, out: list[dict]) -> None:
+        if call.name is None:
+            m = _NAME.match(call.text)
+            if m is None or m.end() == len(call.text):  # wait for the value's first character
+                return
+            try:
+                call.name = json.loads(f'"{m.group(1)}"')
+            except json.JSONDecodeError:
+                return
+            call.args_start = call.scanned = m.end()
+            out.append(self._header(call))
+        if call.args_done:
+            return
+        # scan the arguments value: it ends when its brackets balance (strings respected)
+        text, end = call.text, None
+        for k in range(call.scanned, len(text)):
+            ch = text[k]
+            if call.in_string:
+                if call.escape:
+                    call.escape = False
+                elif ch == "\\":
+                    call.escape = True
+                elif ch == '"':
+                    call.in_string = False
+            elif ch == '"':
+                call.in_string = True
+            elif ch in "{[":
+                call.depth += 1
+            elif ch in "}]":
+                call.depth -= 1
+                if call.depth == 0:
+                    end = k + 1
+                    break
+            elif call.depth == 0 and not ch.isspace():
+                return  # a non-object value: sent whole when the call closes
+        call.scanned = end if end is not None else len(text)
+        upto = end if end is not None else len(text)
+        if call.depth > 0 or end is not None:
+            self._args(call, text[call.args_start + call.args_sent:upto], out)
+        call.args_done = end is not None
+
+    def _args(self, call: _Call, piece: str, out: list[dict]) -> None:
+        if piece:
+            call.args_sent += len(piece)
+            out.append({"tool_calls": [{"index": call.index, "function": {"arguments": piece}}]})
+
+    def _header(self, call: _Call) -> dict:
+        call.index, self.num_announced = self.num_announced, self.num_announced + 1
+        return {"tool_calls": [{"index": call.index, "id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": ""}}]}
+
+    def _close(self, call: _Call, out: list[dict], closed: bool = True) -> None:
+        """The call's text is complete: check it is a JSON call and record it; otherwise it is content."""
+        self.in_call = None
+        try:
+            obj = json.loads(call.text)
+        except json.JSONDecodeError:
+            obj = None
+        args_key = next((k for k in ("arguments", "parameters") if isinstance(obj, dict) and k in obj), None)
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or args_key is None:
+            if call.name is None:  # never announced: hand the text back as content
+                self._content(f"{OPEN}{call.text}{CLOSE if closed else ''}", out)
+            else:  # announced, then broken (cut short): keep what was sent, as the stream did
+                self.calls.append(self._record(call, call.text[call.args_start:call.args_start + call.args_sent]))
+            return
+        if call.name is None:
+            call.name = obj["name"]
+            out.append(self._header(call))
+        raw = _raw_value(call.text, args_key)
+        args = raw if raw is not None else json.dumps(obj[args_key])
+        sent = args[:call.args_sent] if call.args_sent else ""
+        self._args(call, args[len(sent):], out)
+        self.calls.append(self._record(call, args))
+
+    @staticmethod
+    def _record(call: _Call, args: str) -> dict:
+        return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": args}}
+
+
+def _raw_value(text: str, key: str) -> str | None:
+    """The value of top-level `key` in JSON object `text`, exactly as written."""
+    m = re.search(rf'"{key}"\s*:\s*', text)
+    if m is None:
+        return None
+    try:
+        _, end = json.JSONDecoder().raw_decode(text, m.end())
+    except json.JSONDecodeError:
+        return None
+    return text[m.end():end]
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `tag` (held back, it may grow)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """The whole output: (content or None, OpenAI tool_calls)."""
+    p = ToolCallParser()
+    p.feed(text)
+    p.finish()
+    content = p.content.strip() if p.calls else p.content
+    return (content or None) if p.calls else content, p.calls
