@@ -202,7 +202,8 @@ class EngineConfig:
     draft_model: str | None = opt(None, "draft model for --speculative-method draft (same tokenizer; "
                                         "default: the target itself, in --draft-dtype / --draft-quantization)")
     draft_dtype: str = opt("auto", "the draft model's dtype (auto, float32, bfloat16, float16)")
-    draft_quantization: str = opt("none", "quantize the draft model's weights (needs engine.quant)")
+    draft_quantization: str = opt("none", "quantize the draft model's weights (the chapter's quantized self-draft)",
+                                  choices=("none", "int8", "int4", "nf4", "int8-tensor", "int4-tensor"))
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -215,9 +216,6 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
-        if self.draft_quantization != "none" and importlib.util.find_spec("engine.quant") is None:
-            raise ValueError(f"draft_quantization={self.draft_quantization!r} needs the quantization module "
-                             "(engine.quant), which this build does not have; use draft_quantization='none'")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -9,7 +9,6 @@ there. Preemption of the target does not touch it (token ids never change); fini
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from dataclasses import dataclass, field
 
 import torch
@@ -18,14 +17,11 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, resolve_dtype
 from engine.model_runner import ModelRunner, StepInput
 from engine.models.loader import build_model, load_config
+from engine.quant.loading import QuantSpec
 from engine.sampler import SampleRequest
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.spec_decode.proposer import Proposer
-
-
-def quantization_available() -> bool:
-    return importlib.util.find_spec("engine.quant") is not None
 
 
 @dataclass(slots=True)
@@ -46,8 +42,8 @@ class DraftModelProposer(Proposer):
             raise ValueError(f"draft model {path} has a vocabulary of {cfg.vocab_size} tokens, the target "
                              f"{target_vocab}: a draft must share the target's tokenizer")
         dtype = resolve_dtype(config.draft_dtype, device)
-        extra = {} if config.draft_quantization == "none" else {"quantization": config.draft_quantization}
-        model = build_model(path, cfg, dtype, device, max_len, config.seed, **extra)
+        quant = None if config.draft_quantization == "none" else QuantSpec(config.draft_quantization)
+        model = build_model(path, cfg, dtype, device, max_len, config.seed, quant=quant)
         draft_config = dataclasses.replace(config, model=path, dtype=str(dtype).removeprefix("torch."),
                                            cuda_graphs=False,
                                            cache=dataclasses.replace(config.cache, num_blocks=num_blocks))
