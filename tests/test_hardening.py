@@ -278,11 +278,14 @@ def test_completion_logprobs_offsets_and_stop_cut(server, smollm):
     base, _ = server
     body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 8, "temperature": 0, "logprobs": 1, "ignore_eos": True}
     free = httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=60).json()["choices"][0]
-    # text_offset counts the echoed prompt
+    # echo + logprobs scores the prompt's tokens too (first one null), so offsets start at 0 and run on
+    # through the generated tokens
     echoed = httpx.post(f"{base}/v1/completions", json={**body, "echo": True}, headers=AUTH,
                         timeout=60).json()["choices"][0]
-    assert echoed["logprobs"]["text_offset"][0] == len(body["prompt"])
     lp = echoed["logprobs"]
+    assert lp["text_offset"][0] == 0 and lp["token_logprobs"][0] is None
+    assert lp["tokens"][-len(free["logprobs"]["tokens"]):] == free["logprobs"]["tokens"]
+    assert lp["text_offset"][-len(free["logprobs"]["tokens"])] == len(body["prompt"])
     assert all(echoed["text"][o:o + len(t)] == t for o, t in zip(lp["text_offset"], lp["tokens"]))
     # the tokens wholly cut off by a stop string have no logprobs
     stop = free["text"][5:8]
