@@ -71,7 +71,7 @@ class DraftModelProposer(Proposer):
         num_new = [st.proxy.num_tokens - st.proxy.num_computed_tokens for _, st, _ in active]
         for r in range(max(k for _, _, k in active)):
             group = [(a, n) for a, n in zip(active, num_new) if a[2] > r]
-            sampled, _ = self.runner.run(StepInput([st.proxy for (_, st, _), _ in group], [n for _, n in group],
+            sampled, _, _ = self.runner.run(StepInput([st.proxy for (_, st, _), _ in group], [n for _, n in group],
                                                    [self._greedy] * len(group)))
             for ((i, st, k), n), tok in zip(group, sampled):
                 st.proxy.num_computed_tokens += n
