@@ -2,34 +2,24 @@
 
 The reference backend copies every sequence's context out of its blocks each layer (an
 `index_select` that took 35 % of a B=64 decode step) and then runs SDPA on the copy. This one walks
-each sequence's block table inside the kernel (engine/attention/csrc/paged_attention.cpp): decodes,
+each sequence's block table inside the kernel (engine/csrc/paged_attention.cpp): decodes,
 extends and prefill chunks all go through the same varlen kernel, GQA heads grouped per KV head,
 contexts split across threads when there are too few sequences to keep every core busy.
 
-The kernel is compiled on first use (g++ with -march=native, via torch's cpp_extension and ninja) into
-a persistent cache directory, so later starts load it in well under a second. If compiling fails the
-backend logs a warning and the engine uses the PyTorch reference instead.
+The kernel is built on first use with the project's other C++ kernels (`engine.cpu_kernels`); if that
+fails the engine uses the PyTorch reference instead.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
-import os
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from engine import cpu_kernels
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_paged import _store, attend_chunks
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd"]
 # Sequences with at most this many new tokens go through the kernel; longer chunks are compute-bound,
 # where oneDNN's SDPA (AMX/AVX-512 GEMM tiles) is several times faster than the kernel (measured with
 # benchmarks/kernels/bench_cpu_attention.py) and their one gather of the context is cheap in comparison.
@@ -41,43 +31,9 @@ MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 16
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedserve")
-    return Path(root) / "extensions"
-
-
-@functools.cache
 def load_kernel():
-    """The compiled kernel (torch.ops.pagedserve.paged_attention), or None (and a logged warning) if it
-    cannot be built."""
-    source = SOURCE.read_text()
-    # -march=native code is only valid on this CPU: the key covers the CPU model as well as the source
-    key = hashlib.sha256("\0".join([source, torch.__version__, *CFLAGS, _cpu_model()]).encode()).hexdigest()[:16]
-    name = f"pagedserve_paged_attention_{key}"
-    build = cache_dir() / name
-    t0 = time.perf_counter()
-    try:
-        from torch.utils.cpp_extension import load
-
-        build.mkdir(parents=True, exist_ok=True)
-        load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(build),
-             is_python_module=False, verbose=False)
-        kernel = torch.ops.pagedserve.paged_attention
-    except Exception as e:  # no compiler, no ninja, a read-only cache...: slower, never wrong
-        logger.warning("could not build the CPU paged-attention kernel (%s: %s); using the PyTorch reference "
-                       "backend", type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
-        return None
-    logger.info("CPU paged-attention kernel ready in %.1fs (%s)", time.perf_counter() - t0, build)
-    return kernel
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("model name", "flags"))), "")
-    except OSError:
-        return ""
+    """torch.ops.pagedserve.paged_attention, or None (with a logged warning) if the kernels cannot be built."""
+    return torch.ops.pagedserve.paged_attention if cpu_kernels.load() else None
 
 
 def num_splits(num_items: int, max_seq_len: int, threads: int) -> int:

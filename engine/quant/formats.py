@@ -5,29 +5,40 @@ and llama.cpp's q/k row permutation applies to codes and scales alike.
 
 | format        | storage                                 | bits/weight        | CPU kernel, small M           |
 |---------------|-----------------------------------------|--------------------|-------------------------------|
-| `int8`        | int8 [N, K], fp16 scale per row         | 8 + 16/K           | `_weight_int8pack_mm`         |
-| `int8-tensor` | int8 [N, K], one scale                  | 8                  | `_weight_int8pack_mm`         |
+| `int8`        | int8 [N, K], fp16 scale per row         | 8 + 16/K           | ours (engine/csrc), else torch's `_weight_int8pack_mm` |
+| `int8-tensor` | int8 [N, K], one scale                  | 8                  | as int8                       |
 | `int4`        | 4-bit codes, fp16 scale per group of g  | 4 + 16/g           | `_weight_int4pack_mm_for_cpu` |
 | `int4-tensor` | 4-bit codes, one scale                  | 4                  | `_weight_int4pack_mm_for_cpu` |
 | `nf4`         | 4-bit NF4 level index, fp16 absmax / 64 | 4.25               | dequantize + GEMM             |
 
 Large M (prefill) on CPU and everything on CUDA dequantizes then runs a dense GEMM, except int4 on
 the CPU, whose kernel layout is machine-specific and is the only copy kept (see `Int4Weight`).
+
+torch's packed CPU kernels are fast with bf16 activations and 5-25x slower with fp32 ones on the AVX-512
+CPUs we measured (their fp32 path is not vectorised the same way), so `packed_kernel_dtype` times both
+once per process and the kernels run in the faster one, the result cast back to the model's dtype.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import time
 from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_kernels
+
+logger = logging.getLogger(__name__)
+
 FORMATS = ("int8", "int8-tensor", "int4", "int4-tensor", "nf4")
 NF4_BLOCK = 64
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes `_weight_int4pack_mm_for_cpu` takes
-# At M <= this the packed int8 GEMV wins; above, int8 -> activation dtype + dense GEMM does (its cost
-# grows with M while the GEMM's barely does). Measured by benchmarks/quant_kernels.py.
+# At M <= this the int8 GEMV wins; above, int8 -> activation dtype + dense GEMM does (the GEMV's cost
+# grows with M while the GEMM's barely does).
 INT8_PACKED_MAX_M = 4
 
 # QLoRA's NF4 levels: quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
@@ -36,6 +47,39 @@ NF4_LEVELS = torch.tensor([
     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
     0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
     0.7229568362236023, 1.0])
+
+
+def _median_ms(fn, reps: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[reps // 2] * 1e3
+
+
+@functools.cache
+def packed_kernel_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
+    """The activation dtype torch's packed CPU kernel `kind` ("int4" or "int8") runs fastest in, for a
+    model in `dtype`: bf16 where one M = 1 product at a SmolLM2 shape is at least 1.5x faster, else `dtype`."""
+    if dtype == torch.bfloat16:
+        return dtype
+    n, k = 1536, 576
+    gen = torch.Generator().manual_seed(0)
+    if kind == "int4":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen), 1)
+        sz = torch.rand(k // 64, n, 2, generator=gen)
+        run = lambda d: torch.ops.aten._weight_int4pack_mm_for_cpu(torch.ones(1, k, dtype=d), packed, 64, sz.to(d))
+    else:
+        q = torch.randint(-127, 127, (n, k), dtype=torch.int8, generator=gen)
+        s = torch.rand(n, generator=gen)
+        run = lambda d: torch.ops.aten._weight_int8pack_mm(torch.ones(1, k, dtype=d), q, s.to(d))
+    own, bf16 = _median_ms(lambda: run(dtype)), _median_ms(lambda: run(torch.bfloat16))
+    choice = torch.bfloat16 if bf16 * 1.5 <= own else dtype
+    logger.info("%s packed kernel: %s activations %.3f ms, bf16 %.3f ms: runs in %s", kind, dtype, own, bf16, choice)
+    return choice
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -112,7 +156,7 @@ class Int8Weight(QuantWeight):
         self.scale = scale  # fp16 [N, G] (G = 1: per row; 32-blocks from Q8_0), or fp32 [1, 1] per tensor
         self.format = fmt
         self.shape = (q.shape[0], q.shape[1])
-        self._kernel_scale: torch.Tensor | None = None
+        self._kernel_scale: torch.Tensor | None = None  # fp32 [N] for the GEMV, when the format allows one
 
     @classmethod
     def quantize(cls, w: torch.Tensor, per_tensor: bool = False) -> Int8Weight:
@@ -144,17 +188,20 @@ class Int8Weight(QuantWeight):
 
     def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
         self.q, self.scale = self.q.to(device), self.scale.to(device)
-        if self.scale.shape[1] == 1:  # per row or per tensor: the packed kernel applies
-            self._kernel_scale = self.scale.expand(self.shape[0], 1).reshape(-1).to(dtype).contiguous()
+        if self.scale.shape[1] == 1:  # per row or per tensor: the GEMV applies
+            self._kernel_scale = self.scale.expand(self.shape[0], 1).reshape(-1).float().contiguous()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         s = self._kernel_scale
         if s is None:  # group-wise scales: no kernel takes them
             return F.linear(x, self.dequantize(x.dtype))
         if x.device.type == "cpu" and x.shape[0] <= INT8_PACKED_MAX_M:
-            return torch.ops.aten._weight_int8pack_mm(x, self.q, s)
+            if cpu_kernels.load():  # ours: streams the int8 rows at close to memory bandwidth
+                return torch.ops.pagedserve.int8_linear(x, self.q, s)
+            kd = packed_kernel_dtype("int8", x.dtype)
+            return torch.ops.aten._weight_int8pack_mm(x.to(kd), self.q, s.to(kd)).to(x.dtype)
         # dense GEMM on the int8 codes (exact in bf16/fp32), the per-row scale applied to the output
-        return F.linear(x, self.q.to(x.dtype)) * s
+        return F.linear(x, self.q.to(x.dtype)) * s.to(x.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.q, self.scale] + ([self._kernel_scale] if self._kernel_scale is not None else [])
@@ -229,6 +276,11 @@ class Int4Weight(QuantWeight):
     def _kernel(self, x: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, self._kgroup, sz.to(x.dtype))
 
+    @property
+    def kernel_dtype(self) -> torch.dtype | None:
+        """The activation dtype the CPU kernel runs in (None before `prepare` or without the kernel)."""
+        return None if self._sz is None else self._sz.dtype
+
     def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
         n, k = self.shape
         kgroup = next((g for g in INT4_KERNEL_GROUPS if self.group % g == 0 and k % g == 0), 0)
@@ -239,7 +291,7 @@ class Int4Weight(QuantWeight):
         scale, zero = self._scale_zero_full()
         rep = self.group // kgroup  # a format group spans rep kernel groups
         sz = torch.stack((scale, zero), dim=-1).repeat_interleave(rep, dim=1)  # [N, K/kgroup, 2]
-        self._sz = sz.transpose(0, 1).contiguous().to(dtype)
+        self._sz = sz.transpose(0, 1).contiguous().to(packed_kernel_dtype("int4", dtype))
         self._kgroup = kgroup
         self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             unpack_nibbles(self.codes).to(torch.int32), 1)
@@ -247,7 +299,7 @@ class Int4Weight(QuantWeight):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            return self._kernel(x, self._sz)
+            return self._kernel(x.to(self._sz.dtype), self._sz).to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype))
 
     def tensors(self) -> list[torch.Tensor]:
