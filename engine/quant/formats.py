@@ -198,8 +198,8 @@ class Int8Weight(QuantWeight):
         if x.device.type == "cpu" and x.shape[0] <= INT8_PACKED_MAX_M:
             if cpu_kernels.load():  # ours: streams the int8 rows at close to memory bandwidth
                 return torch.ops.pagedserve.int8_linear(x, self.q, s)
-            # torch's bf16 path returns garbage unless K % 32 == 0 (torch 2.13, seen in the tests)
-            kd = packed_kernel_dtype("int8", x.dtype) if self.shape[1] % 32 == 0 else x.dtype
+            # torch's bf16 path returns garbage unless K % 32 == 0 (torch 2.13, seen in the tests): fp32 there
+            kd = packed_kernel_dtype("int8", x.dtype) if self.shape[1] % 32 == 0 else torch.float32
             return torch.ops.aten._weight_int8pack_mm(x.to(kd), self.q, s.to(kd)).to(x.dtype)
         # dense GEMM on the int8 codes (exact in bf16/fp32), the per-row scale applied to the output
         return F.linear(x, self.q.to(x.dtype)) * s.to(x.dtype)
