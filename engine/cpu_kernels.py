@@ -18,7 +18,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd"]
+# -fopenmp: at::parallel_for is a header template whose `#pragma omp parallel` is compiled into our own code;
+# without it every kernel ran on one thread. libgomp.so.1 resolves to the copy torch already loaded.
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 def cache_dir() -> Path:
@@ -34,7 +37,7 @@ def load() -> bool:
 
     texts = [p.read_text() for p in SOURCES]
     # -march=native code is only valid on this CPU: the key covers the CPU model as well as the sources
-    key = hashlib.sha256("\0".join([*texts, torch.__version__, *CFLAGS, _cpu_model()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*texts, torch.__version__, *CFLAGS, *LDFLAGS, _cpu_model()]).encode()).hexdigest()[:16]
     name = f"pagedserve_cpu_kernels_{key}"
     build = cache_dir() / name
     t0 = time.perf_counter()
@@ -43,7 +46,7 @@ def load() -> bool:
 
         build.mkdir(parents=True, exist_ok=True)
         build_extension(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
-                        build_directory=str(build), is_python_module=False, verbose=False)
+                        extra_ldflags=LDFLAGS, build_directory=str(build), is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache...: slower, never wrong
         msg = str(e).strip()
         logger.warning("could not build the C++ CPU kernels (%s: %s); using the PyTorch paths instead",
