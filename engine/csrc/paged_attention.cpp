@@ -72,11 +72,7 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     // rows of one item: query tokens x heads of the group, padded to a multiple of ROWS
     const int64_t R = (max_rows * group + ROWS - 1) / ROWS * ROWS;
-    std::vector<float> qf(R * D), acc(R * D), m(R), l(R), s(ROWS * BS), kt(D * BS), kf, vf;
-    if (!std::is_same<T, float>::value) {
-      kf.resize(BS * D);
-      vf.resize(BS * D);
-    }
+    std::vector<float> qf(R * D), acc(R * D), m(R), l(R), s(ROWS * BS), kt(D * BS), kf(BS * D), vf(BS * D + 16);
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
       const int64_t split = item % splits;
       const int64_t h = (item / splits) % num_kv_heads;
@@ -115,38 +111,27 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
               __builtin_prefetch(v_cache + next_base + j * cache_stride_slot + off);
             }
         }
+        // The block's K/V rows for this head are widened (bf16/fp16) or copied (fp32) into small contiguous
+        // buffers first: even in fp32, reading them in place at the cache's slot stride measured ~2x slower.
         // Many rows (extend, prefill): K transposed to [D, n] so scores run along the keys, no horizontal
         // sums. Four rows or fewer (a decode with GQA group <= 4): the transpose would cost more than it
-        // saves, so scores are dot products over K rows read in place (fp32) or widened (bf16).
+        // saves, so scores are dot products over K rows.
         const bool transposed = padded > ROWS;
-        const float* kp = nullptr;
-        const float* vp;
-        int64_t kv_stride;
-        if constexpr (std::is_same<T, float>::value) {
-          kp = k_cache + base;
-          vp = v_cache + base;
-          kv_stride = cache_stride_slot;
-        } else {
-          for (int64_t j = 0; j < n; ++j) {
-            const T* vs = v_cache + base + j * cache_stride_slot;
-            for (int64_t d = 0; d < D; ++d) vf[j * D + d] = widen(vs[d]);
-          }
-          if (!transposed) {
-            for (int64_t j = 0; j < n; ++j) {
-              const T* ks = k_cache + base + j * cache_stride_slot;
-              for (int64_t d = 0; d < D; ++d) kf[j * D + d] = widen(ks[d]);
-            }
-            kp = kf.data();
-          }
-          vp = vf.data();
-          kv_stride = D;
+        for (int64_t j = 0; j < n; ++j) {
+          const T* vs = v_cache + base + j * cache_stride_slot;
+          for (int64_t d = 0; d < D; ++d) vf[j * D + d] = widen(vs[d]);
         }
-        if (transposed) {
-          for (int64_t j = 0; j < n; ++j) {
-            const T* ks = k_cache + base + j * cache_stride_slot;
+        for (int64_t j = 0; j < n; ++j) {
+          const T* ks = k_cache + base + j * cache_stride_slot;
+          if (transposed) {
             for (int64_t d = 0; d < D; ++d) kt[d * n + j] = widen(ks[d]);
+          } else {
+            for (int64_t d = 0; d < D; ++d) kf[j * D + d] = widen(ks[d]);
           }
         }
+        const float* kp = kf.data();
+        const float* vp = vf.data();
+        const int64_t kv_stride = D;
         for (int64_t r0 = 0; r0 < padded; r0 += ROWS) {
           const int64_t last = std::min(r0 + ROWS, rows) - 1;
           if (t.ctx + last / group + 1 - start <= 0) continue;  // no row of the four sees this block yet
@@ -201,14 +186,20 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
               sr[j] = fast_exp(sr[j] - mx);
               sum += sr[j];
             }
+            // P V one 16-wide slice of the head at a time, so the slice's accumulator stays in a register
+            // across the keys (a loop over all of D per key loads and stores it every time)
             float* ar = acc.data() + r * D;
+            for (int64_t d0 = 0; d0 < D; d0 += 16) {
+              const int64_t w = std::min<int64_t>(16, D - d0);
+              float a[16];
+              for (int64_t d = 0; d < 16; ++d) a[d] = d < w ? ar[d0 + d] * alpha : 0.f;
+              for (int64_t j = 0; j < visible; ++j) {
+                const float p = sr[j];
+                const float* vr = vp + j * kv_stride + d0;  // vf has 16 floats of slack past its end
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-            for (int64_t j = 0; j < visible; ++j) {
-              const float p = sr[j];
-              const float* vr = vp + j * kv_stride;
-#pragma omp simd
-              for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
+                for (int64_t d = 0; d < 16; ++d) a[d] += p * vr[d];
+              }
+              for (int64_t d = 0; d < w; ++d) ar[d0 + d] = a[d];
             }
             l[r] = l[r] * alpha + sum;
             m[r] = mx;
