@@ -20,6 +20,10 @@
 #include <limits>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float widen(float x) { return x; }
@@ -60,6 +64,68 @@ inline float fast_exp(float x) {
 
 constexpr int64_t ROWS = 4;  // query rows scored together: four independent FMA chains per key vector
 
+// s[r * s_stride + j] = q_r . k_j for the ROWS query rows (fp32, pre-scaled) and n keys (rows of D floats).
+// Each key row is loaded once for all rows; one horizontal sum per score (vectorised auto-reductions
+// spilled to the stack and summed 16 scalars in a row).
+inline void qk_rows(const float* q, const float* k, int64_t n, int64_t D, float* s, int64_t s_stride) {
+#ifdef __AVX512F__
+  if (D % 16 == 0) {
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 a[ROWS];
+      for (int r = 0; r < ROWS; ++r) a[r] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 kv = _mm512_loadu_ps(k + j * D + d);
+        for (int r = 0; r < ROWS; ++r) a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d), kv, a[r]);
+      }
+      for (int r = 0; r < ROWS; ++r) s[r * s_stride + j] = _mm512_reduce_add_ps(a[r]);
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j)
+    for (int r = 0; r < ROWS; ++r) {
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t d = 0; d < D; ++d) acc += q[r * D + d] * k[j * D + d];
+      s[r * s_stride + j] = acc;
+    }
+}
+
+// acc_r = alpha_r * acc_r + sum_j p[r * p_stride + j] v_j for the ROWS rows together: each V row is loaded
+// once for all rows, and 64 dims x ROWS rows of accumulators stay in registers across the keys (a loop
+// over d per key and row was one FMA latency chain, load and store per key: several times slower).
+inline void pv_rows(float* acc, const float* p, int64_t p_stride, const float* alpha, const float* v, int64_t n,
+                    int64_t D) {
+  int64_t d0 = 0;
+#ifdef __AVX512F__
+  for (; d0 + 64 <= D; d0 += 64) {
+    __m512 a[ROWS][4];
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < 4; ++c)
+        a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d0 + 16 * c), _mm512_set1_ps(alpha[r]));
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 vv[4];
+      for (int c = 0; c < 4; ++c) vv[c] = _mm512_loadu_ps(v + j * D + d0 + 16 * c);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 pr = _mm512_set1_ps(p[r * p_stride + j]);
+        for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(pr, vv[c], a[r][c]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + r * D + d0 + 16 * c, a[r][c]);
+  }
+#endif
+  if (d0 == D) return;
+  for (int r = 0; r < ROWS; ++r)
+    for (int64_t d = d0; d < D; ++d) acc[r * D + d] *= alpha[r];
+  for (int64_t j = 0; j < n; ++j)
+    for (int r = 0; r < ROWS; ++r) {
+      const float pr = p[r * p_stride + j];
+#pragma omp simd
+      for (int64_t d = d0; d < D; ++d) acc[r * D + d] += pr * v[j * D + d];
+    }
+}
+
 template <typename T>
 void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_cache, const T* v_cache,
                int64_t cache_stride_block, int64_t cache_stride_slot, const int32_t* block_tables,
@@ -72,7 +138,7 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     // rows of one item: query tokens x heads of the group, padded to a multiple of ROWS
     const int64_t R = (max_rows * group + ROWS - 1) / ROWS * ROWS;
-    std::vector<float> qf(R * D), acc(R * D), m(R), l(R), s(ROWS * BS), kt(D * BS), kf(BS * D), vf(BS * D + 16);
+    std::vector<float> qf(R * D), acc(R * D), m(R), l(R), s(ROWS * BS), kt(D * BS), kf(BS * D), vf(BS * D);
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
       const int64_t split = item % splits;
       const int64_t h = (item / splits) % num_kv_heads;
@@ -131,7 +197,6 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
         }
         const float* kp = kf.data();
         const float* vp = vf.data();
-        const int64_t kv_stride = D;
         for (int64_t r0 = 0; r0 < padded; r0 += ROWS) {
           const int64_t last = std::min(r0 + ROWS, rows) - 1;
           if (t.ctx + last / group + 1 - start <= 0) continue;  // no row of the four sees this block yet
@@ -141,21 +206,7 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
           float* s3 = s2 + BS;
           const float* q0 = qf.data() + r0 * D;
           if (!transposed) {
-            for (int64_t j = 0; j < n; ++j) {
-              const float* kr = kp + j * kv_stride;
-              float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-              for (int64_t d = 0; d < D; ++d) {
-                d0 += q0[d] * kr[d];
-                d1 += q0[D + d] * kr[d];
-                d2 += q0[2 * D + d] * kr[d];
-                d3 += q0[3 * D + d] * kr[d];
-              }
-              s0[j] = d0;
-              s1[j] = d1;
-              s2[j] = d2;
-              s3[j] = d3;
-            }
+            qk_rows(q0, kp, n, D, s0, BS);
           } else {
             std::fill(s0, s0 + ROWS * BS, 0.f);
           }
@@ -170,40 +221,31 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
               s3[j] += a3 * kd[j];
             }
           }
-          for (int64_t rr = 0; rr < ROWS && r0 + rr < rows; ++rr) {
+          float alpha[ROWS];
+          int64_t max_visible = 0;
+          for (int64_t rr = 0; rr < ROWS; ++rr) {
             const int64_t r = r0 + rr;
-            // causal: query at position ctx + r / group sees keys up to and including itself
-            const int64_t visible = std::min(n, t.ctx + r / group + 1 - start);
-            if (visible <= 0) continue;
             float* sr = s0 + rr * BS;
+            alpha[rr] = 1.f;
+            // causal: query at position ctx + r / group sees keys up to and including itself
+            const int64_t visible = r < rows ? std::min(n, t.ctx + r / group + 1 - start) : 0;
+            for (int64_t j = std::max<int64_t>(visible, 0); j < n; ++j) sr[j] = 0.f;  // no weight in P V
+            if (visible <= 0) continue;
+            max_visible = std::max(max_visible, visible);
             float mx = m[r];
 #pragma omp simd reduction(max : mx)
             for (int64_t j = 0; j < visible; ++j) mx = mx > sr[j] ? mx : sr[j];
-            const float alpha = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : fast_exp(m[r] - mx);
+            alpha[rr] = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : fast_exp(m[r] - mx);
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t j = 0; j < visible; ++j) {
               sr[j] = fast_exp(sr[j] - mx);
               sum += sr[j];
             }
-            // P V one 16-wide slice of the head at a time, so the slice's accumulator stays in a register
-            // across the keys (a loop over all of D per key loads and stores it every time)
-            float* ar = acc.data() + r * D;
-            for (int64_t d0 = 0; d0 < D; d0 += 16) {
-              const int64_t w = std::min<int64_t>(16, D - d0);
-              float a[16];
-              for (int64_t d = 0; d < 16; ++d) a[d] = d < w ? ar[d0 + d] * alpha : 0.f;
-              for (int64_t j = 0; j < visible; ++j) {
-                const float p = sr[j];
-                const float* vr = vp + j * kv_stride + d0;  // vf has 16 floats of slack past its end
-#pragma omp simd
-                for (int64_t d = 0; d < 16; ++d) a[d] += p * vr[d];
-              }
-              for (int64_t d = 0; d < w; ++d) ar[d0 + d] = a[d];
-            }
-            l[r] = l[r] * alpha + sum;
+            l[r] = l[r] * alpha[rr] + sum;
             m[r] = mx;
           }
+          if (max_visible > 0) pv_rows(acc.data() + r0 * D, s0, BS, alpha, vp, max_visible, D);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
