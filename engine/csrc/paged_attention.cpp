@@ -67,14 +67,15 @@ constexpr int64_t ROWS = 4;  // query rows scored together: four independent FMA
 // s[r * s_stride + j] = q_r . k_j for the ROWS query rows (fp32, pre-scaled) and n keys (rows of D floats).
 // Each key row is loaded once for all rows; one horizontal sum per score (vectorised auto-reductions
 // spilled to the stack and summed 16 scalars in a row).
-inline void qk_rows(const float* q, const float* k, int64_t n, int64_t D, float* s, int64_t s_stride) {
+inline void qk_rows(const float* q, const float* k, int64_t k_stride, int64_t n, int64_t D, float* s,
+                    int64_t s_stride) {
 #ifdef __AVX512F__
   if (D % 16 == 0) {
     for (int64_t j = 0; j < n; ++j) {
       __m512 a[ROWS];
       for (int r = 0; r < ROWS; ++r) a[r] = _mm512_setzero_ps();
       for (int64_t d = 0; d < D; d += 16) {
-        const __m512 kv = _mm512_loadu_ps(k + j * D + d);
+        const __m512 kv = _mm512_loadu_ps(k + j * k_stride + d);
         for (int r = 0; r < ROWS; ++r) a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d), kv, a[r]);
       }
       for (int r = 0; r < ROWS; ++r) s[r * s_stride + j] = _mm512_reduce_add_ps(a[r]);
@@ -86,7 +87,7 @@ inline void qk_rows(const float* q, const float* k, int64_t n, int64_t D, float*
     for (int r = 0; r < ROWS; ++r) {
       float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-      for (int64_t d = 0; d < D; ++d) acc += q[r * D + d] * k[j * D + d];
+      for (int64_t d = 0; d < D; ++d) acc += q[r * D + d] * k[j * k_stride + d];
       s[r * s_stride + j] = acc;
     }
 }
@@ -94,8 +95,8 @@ inline void qk_rows(const float* q, const float* k, int64_t n, int64_t D, float*
 // acc_r = alpha_r * acc_r + sum_j p[r * p_stride + j] v_j for the ROWS rows together: each V row is loaded
 // once for all rows, and 64 dims x ROWS rows of accumulators stay in registers across the keys (a loop
 // over d per key and row was one FMA latency chain, load and store per key: several times slower).
-inline void pv_rows(float* acc, const float* p, int64_t p_stride, const float* alpha, const float* v, int64_t n,
-                    int64_t D) {
+inline void pv_rows(float* acc, const float* p, int64_t p_stride, const float* alpha, const float* v,
+                    int64_t v_stride, int64_t n, int64_t D) {
   int64_t d0 = 0;
 #ifdef __AVX512F__
   for (; d0 + 64 <= D; d0 += 64) {
@@ -105,7 +106,7 @@ inline void pv_rows(float* acc, const float* p, int64_t p_stride, const float* a
         a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d0 + 16 * c), _mm512_set1_ps(alpha[r]));
     for (int64_t j = 0; j < n; ++j) {
       __m512 vv[4];
-      for (int c = 0; c < 4; ++c) vv[c] = _mm512_loadu_ps(v + j * D + d0 + 16 * c);
+      for (int c = 0; c < 4; ++c) vv[c] = _mm512_loadu_ps(v + j * v_stride + d0 + 16 * c);
       for (int r = 0; r < ROWS; ++r) {
         const __m512 pr = _mm512_set1_ps(p[r * p_stride + j]);
         for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(pr, vv[c], a[r][c]);
@@ -122,7 +123,7 @@ inline void pv_rows(float* acc, const float* p, int64_t p_stride, const float* a
     for (int r = 0; r < ROWS; ++r) {
       const float pr = p[r * p_stride + j];
 #pragma omp simd
-      for (int64_t d = d0; d < D; ++d) acc[r * D + d] += pr * v[j * D + d];
+      for (int64_t d = d0; d < D; ++d) acc[r * D + d] += pr * v[j * v_stride + d];
     }
 }
 
@@ -177,26 +178,35 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
               __builtin_prefetch(v_cache + next_base + j * cache_stride_slot + off);
             }
         }
-        // The block's K/V rows for this head are widened (bf16/fp16) or copied (fp32) into small contiguous
-        // buffers first: even in fp32, reading them in place at the cache's slot stride measured ~2x slower.
+        // bf16/fp16 K/V rows are widened into small contiguous fp32 buffers; fp32 ones are read in place.
         // Many rows (extend, prefill): K transposed to [D, n] so scores run along the keys, no horizontal
         // sums. Four rows or fewer (a decode with GQA group <= 4): the transpose would cost more than it
         // saves, so scores are dot products over K rows.
         const bool transposed = padded > ROWS;
-        for (int64_t j = 0; j < n; ++j) {
-          const T* vs = v_cache + base + j * cache_stride_slot;
-          for (int64_t d = 0; d < D; ++d) vf[j * D + d] = widen(vs[d]);
+        const float* kp;
+        const float* vp;
+        int64_t kv_stride;
+        if constexpr (std::is_same<T, float>::value) {
+          kp = k_cache + base;
+          vp = v_cache + base;
+          kv_stride = cache_stride_slot;
+        } else {
+          for (int64_t j = 0; j < n; ++j) {
+            const T* vs = v_cache + base + j * cache_stride_slot;
+            const T* ks = k_cache + base + j * cache_stride_slot;
+            for (int64_t d = 0; d < D; ++d) vf[j * D + d] = widen(vs[d]);
+            for (int64_t d = 0; !transposed && d < D; ++d) kf[j * D + d] = widen(ks[d]);
+          }
+          kp = kf.data();
+          vp = vf.data();
+          kv_stride = D;
         }
-        for (int64_t j = 0; j < n; ++j) {
-          const T* ks = k_cache + base + j * cache_stride_slot;
-          if (transposed) {
+        if (transposed) {
+          for (int64_t j = 0; j < n; ++j) {
+            const T* ks = k_cache + base + j * cache_stride_slot;
             for (int64_t d = 0; d < D; ++d) kt[d * n + j] = widen(ks[d]);
-          } else {
-            for (int64_t d = 0; d < D; ++d) kf[j * D + d] = widen(ks[d]);
           }
         }
-        const float* kp = kf.data();
-        const float* vp = vf.data();
         for (int64_t r0 = 0; r0 < padded; r0 += ROWS) {
           const int64_t last = std::min(r0 + ROWS, rows) - 1;
           if (t.ctx + last / group + 1 - start <= 0) continue;  // no row of the four sees this block yet
@@ -206,7 +216,7 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
           float* s3 = s2 + BS;
           const float* q0 = qf.data() + r0 * D;
           if (!transposed) {
-            qk_rows(q0, kp, n, D, s0, BS);
+            qk_rows(q0, kp, kv_stride, n, D, s0, BS);
           } else {
             std::fill(s0, s0 + ROWS * BS, 0.f);
           }
@@ -245,7 +255,7 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
             l[r] = l[r] * alpha[rr] + sum;
             m[r] = mx;
           }
-          if (max_visible > 0) pv_rows(acc.data() + r0 * D, s0, BS, alpha, vp, max_visible, D);
+          if (max_visible > 0) pv_rows(acc.data() + r0 * D, s0, BS, alpha, vp, kv_stride, max_visible, D);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
