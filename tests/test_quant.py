@@ -106,6 +106,29 @@ def test_int8_gemv_odd_widths_and_without_our_kernel(monkeypatch, built):
             assert _rel(qw.matmul(x), x.float() @ ref_w.t()) < tol * 2, (m, dtype)
 
 
+@pytest.mark.parametrize("zero", [False, True])
+def test_int4_without_our_kernel_matches(monkeypatch, zero):
+    """Our int4 GEMV and torch's packed kernel (the fallback) compute the same products, with Q4_1-style zeros."""
+    from engine import cpu_kernels
+
+    torch.manual_seed(5)
+    qw = Int4Weight.quantize(torch.randn(48, 128), 32)
+    if zero:  # as the GGUF loader maps Q4_1's d * c + m: zero = m + 8d, with fp16 d and m
+        m = (torch.randn(48, 4) * 0.1).half().float()
+        qw = Int4Weight(qw.codes, qw.scale, m + 8 * qw.scale.float(), "int4", 32)
+    ours, theirs = Int4Weight(qw.codes, qw.scale, qw.zero, "int4", 32), Int4Weight(qw.codes, qw.scale, qw.zero,
+                                                                                      "int4", 32)
+    ref_w = qw.dequantize()
+    ours.prepare(torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: False)
+    theirs.prepare(torch.device("cpu"), torch.float32)
+    assert ours.kernel_dtype is None and theirs.kernel_dtype is not None  # two different kernels
+    for m in (1, 3):
+        x = torch.randn(m, 128)
+        assert _rel(ours.matmul(x), x @ ref_w.t()) < TOL[torch.float32] * 2
+        assert _rel(theirs.matmul(x), x @ ref_w.t()) < TOL[theirs.kernel_dtype] * 2
+
+
 def test_fused_rows_and_row_permutation():
     torch.manual_seed(3)
     a, b = torch.randn(32, 128), torch.randn(64, 128)
@@ -144,7 +167,7 @@ def test_gguf_blocks_map_directly(kind):
     if kind == "Q4_1":  # and the CPU kernel computes with those values (in bf16 where it runs in bf16)
         qw.prepare(torch.device("cpu"), torch.float32)
         x = torch.randn(2, shape[1])
-        assert _rel(qw.matmul(x), x @ torch.from_numpy(ref).t()) < TOL[qw.kernel_dtype]
+        assert _rel(qw.matmul(x), x @ torch.from_numpy(ref).t()) < TOL[qw.kernel_dtype or torch.float32]
     else:  # an embedding lookup returns the dequantized rows
         ids = torch.tensor([0, 5, 49151])
         np.testing.assert_allclose(qw.rows(ids, torch.float32).numpy(), ref[ids.numpy()], rtol=1e-6, atol=1e-7)

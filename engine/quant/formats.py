@@ -40,6 +40,7 @@ INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes `_weight_int4pack_mm_for_
 # At M <= this the int8 GEMV wins; above, int8 -> activation dtype + dense GEMM does (the GEMV's cost
 # grows with M while the GEMM's barely does).
 INT8_PACKED_MAX_M = 4
+INT4_GEMV_MAX_M = 4
 
 # QLoRA's NF4 levels: quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
 NF4_LEVELS = torch.tensor([
@@ -228,9 +229,12 @@ class Int4Weight(QuantWeight):
     """4-bit codes c in 0..15 with w = (c - 8) * scale + zero per group of `group` along K.
 
     `quantize` is symmetric (zero = 0, the chapter's absmax with qmax 7); llama.cpp's Q4_0 maps
-    exactly (zero = 0) and Q4_1's `d * c + m` maps as zero = m + 8d. On the CPU, `prepare` converts
-    the codes into `_weight_int4pack_mm_for_cpu`'s layout (which depends on the CPU's vector width) and
-    drops the row-major copy, so resident memory stays ~4 bits/weight; that kernel then serves every M.
+    exactly (zero = 0) and Q4_1's `d * c + m` maps as zero = m + 8d. On the CPU, `prepare` keeps the
+    codes for our GEMV (engine/csrc/quant_linear.cpp: M <= INT4_GEMV_MAX_M; larger M dequantizes and runs
+    a GEMM) with scale and bias = zero - 8 * scale in the scale's dtype (fp16 per group: exact for our
+    scales and for GGUF's d and m). Without our kernels it converts the codes into
+    `_weight_int4pack_mm_for_cpu`'s layout (which depends on the CPU's vector width) and drops the
+    row-major copy; that kernel then serves every M.
     """
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, fmt: str = "int4",
@@ -241,7 +245,8 @@ class Int4Weight(QuantWeight):
         self.format = fmt
         self.shape = (codes.shape[0], codes.shape[1] * 2)
         self.group = group or self.shape[1] // scale.shape[1]
-        self._packed: torch.Tensor | None = None  # the CPU kernel's layout
+        self._bias: torch.Tensor | None = None  # [N, G] zero - 8 * scale for our GEMV, once prepared for it
+        self._packed: torch.Tensor | None = None  # torch's CPU kernel layout
         self._sz: torch.Tensor | None = None  # [K / kernel group, N, 2] scale and zero, activation dtype
         self._kgroup = 0
 
@@ -260,6 +265,8 @@ class Int4Weight(QuantWeight):
     def _scale_zero_full(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 [N, G] scale and zero (per-tensor expanded to one group per row)."""
         scale = self.scale.float()
+        if self._bias is not None:
+            return scale, self._bias.float() + 8 * scale
         if scale.shape[0] == 1:
             scale = scale.expand(self.shape[0], self.shape[1] // self.group)
         zero = self.zero.float() if self.zero is not None else torch.zeros_like(scale)
@@ -284,6 +291,12 @@ class Int4Weight(QuantWeight):
 
     def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
         n, k = self.shape
+        if device.type == "cpu" and self.group % 32 == 0 and cpu_kernels.load():
+            scale, zero = self._scale_zero_full()
+            sdtype = torch.float32 if self.scale.dtype == torch.float32 else torch.float16
+            self.scale, self._bias = scale.to(sdtype).contiguous(), (zero - 8 * scale).to(sdtype).contiguous()
+            self.zero = None  # folded into the bias
+            return
         kgroup = next((g for g in INT4_KERNEL_GROUPS if self.group % g == 0 and k % g == 0), 0)
         if device.type != "cpu" or kgroup == 0 or n % 16:
             self.codes, self.scale = self.codes.to(device), self.scale.to(device)
@@ -299,6 +312,8 @@ class Int4Weight(QuantWeight):
         self.codes = self.codes.new_empty(0)  # the kernel layout is the only copy kept
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._bias is not None and x.shape[0] <= INT4_GEMV_MAX_M:
+            return torch.ops.pagedserve.int4_linear(x, self.codes, self.scale, self._bias)
         if self._packed is not None:
             return self._kernel(x.to(self._sz.dtype), self._sz).to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype))
@@ -306,13 +321,14 @@ class Int4Weight(QuantWeight):
     def tensors(self) -> list[torch.Tensor]:
         if self._packed is not None:
             return [self._packed, self._sz]
-        return [t for t in (self.codes, self.scale, self.zero) if t is not None]
+        return [t for t in (self.codes, self.scale, self.zero, self._bias) if t is not None]
 
     def storage_bits(self) -> int:
         n, k = self.shape
         if self.format == "int4-tensor":
             return 4 * n * k + 32 * self.scale.unique().numel()
-        per_group = 16 if self.zero is None else 32
+        has_zero = self.zero is not None or (self._bias is not None and bool((self._bias != -8 * self.scale).any()))
+        per_group = 32 if has_zero else 16
         return 4 * n * k + per_group * n * (k // self.group)
 
     @classmethod
