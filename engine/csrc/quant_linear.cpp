@@ -15,14 +15,17 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #define PAGEDSERVE_AVX512 1
 #endif
 
 namespace {
 
 constexpr int64_t BN = 16;  // output rows per work block
+constexpr int64_t MAX_GROUPS = 1024;  // int4 groups per row (K / group): K up to 32768 at group 32
 
 inline float widen(float x) { return x; }
 inline float widen(at::BFloat16 x) {
@@ -31,7 +34,11 @@ inline float widen(at::BFloat16 x) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+#ifdef __F16C__
+inline float widen(at::Half x) { return _cvtsh_ss(x.x); }  // one instruction; c10's portable path is ~20
+#else
 inline float widen(at::Half x) { return static_cast<float>(x); }
+#endif
 inline float widen(double x) { return static_cast<float>(x); }
 
 // dot products of one int8 weight row with MR fp32 activation rows (each K long). One weight row at a
@@ -110,38 +117,41 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 //   y = sum_g scale_g * sum_{k in g} c_k x_k  +  sum_g bias_g * sum_{k in g} x_k,
 // so the inner loop multiplies raw codes, and the activations are split once into even and odd halves per
 // 32 so a 16-byte load of codes becomes two vectors by masking and shifting.
-template <int MR, typename S>
-inline void dot_row_int4(const uint8_t* c, const S* scale, const S* bias, const float* xe,
+template <int MR>
+inline void dot_row_int4(const uint8_t* c, const float* scale, const float* bias, const float* xe,
                          const float* xsum, int64_t K, int64_t G, int64_t group, float* acc) {
   for (int m = 0; m < MR; ++m) {
     float b = 0.f;
-    for (int64_t g = 0; g < G; ++g) b += static_cast<float>(bias[g]) * xsum[m * G + g];
+    for (int64_t g = 0; g < G; ++g) b += bias[g] * xsum[m * G + g];
     acc[m] = b;
   }
 #ifdef PAGEDSERVE_AVX512
   __m512 s[MR];
   for (int m = 0; m < MR; ++m) s[m] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi32(15);
-  for (int64_t k = 0; k < K; k += 32) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k / 2)));
-    const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(b, low));
-    const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-    const __m512 sc = _mm512_set1_ps(static_cast<float>(scale[k / group]));
-    for (int m = 0; m < MR; ++m) {
-      const float* x = xe + m * K + k;
-      const __m512 t = _mm512_fmadd_ps(odd, _mm512_loadu_ps(x + 16), _mm512_mul_ps(even, _mm512_loadu_ps(x)));
-      s[m] = _mm512_fmadd_ps(t, sc, s[m]);
+  for (int64_t g = 0; g < G; ++g) {  // by group: no division per 32 codes
+    const __m512 sc = _mm512_set1_ps(scale[g]);
+    __m512 t[MR];
+    for (int m = 0; m < MR; ++m) t[m] = _mm512_setzero_ps();
+    for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k / 2)));
+      const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(b, low));
+      const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+      for (int m = 0; m < MR; ++m) {
+        const float* x = xe + m * K + k;
+        t[m] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(x + 16), _mm512_fmadd_ps(even, _mm512_loadu_ps(x), t[m]));
+      }
     }
+    for (int m = 0; m < MR; ++m) s[m] = _mm512_fmadd_ps(t[m], sc, s[m]);
   }
   for (int m = 0; m < MR; ++m) acc[m] += _mm512_reduce_add_ps(s[m]);
 #else
-  for (int64_t k = 0; k < K; k += 32) {
-    const float sc = static_cast<float>(scale[k / group]);
+  for (int64_t k = 0, g = 0; k < K; k += 32, g = k / group) {
     for (int m = 0; m < MR; ++m) {
       const float* x = xe + m * K + k;
       float t = 0.f;
       for (int64_t i = 0; i < 16; ++i) t += (c[k / 2 + i] & 15) * x[i] + (c[k / 2 + i] >> 4) * x[16 + i];
-      acc[m] += sc * t;
+      acc[m] += scale[g] * t;
     }
   }
 #endif
@@ -162,18 +172,21 @@ void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, co
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t n = b * BN; n < std::min(N, (b + 1) * BN); ++n) {
         const uint8_t* c = codes + n * (K / 2);
-        const S* sc = scale + n * G;
-        const S* bi = bias + n * G;
+        float sc[MAX_GROUPS], bi[MAX_GROUPS];  // the row's fp16 scales widened once, not once per use
+        for (int64_t g = 0; g < G; ++g) {
+          sc[g] = widen(scale[n * G + g]);
+          bi[g] = widen(bias[n * G + g]);
+        }
         for (int64_t m = 0; m < M; m += 4) {
           float acc[4];
           const int64_t mr = std::min<int64_t>(4, M - m);
           const float* xm = xe.data() + m * K;
           const float* sm = xsum.data() + m * G;
           switch (mr) {
-            case 4: dot_row_int4<4, S>(c, sc, bi, xm, sm, K, G, group, acc); break;
-            case 3: dot_row_int4<3, S>(c, sc, bi, xm, sm, K, G, group, acc); break;
-            case 2: dot_row_int4<2, S>(c, sc, bi, xm, sm, K, G, group, acc); break;
-            default: dot_row_int4<1, S>(c, sc, bi, xm, sm, K, G, group, acc); break;
+            case 4: dot_row_int4<4>(c, sc, bi, xm, sm, K, G, group, acc); break;
+            case 3: dot_row_int4<3>(c, sc, bi, xm, sm, K, G, group, acc); break;
+            case 2: dot_row_int4<2>(c, sc, bi, xm, sm, K, G, group, acc); break;
+            default: dot_row_int4<1>(c, sc, bi, xm, sm, K, G, group, acc); break;
           }
           for (int64_t i = 0; i < mr; ++i) out[(m + i) * N + n] = static_cast<T>(acc[i]);
         }
@@ -189,7 +202,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const bool half = scale.scalar_type() == at::kHalf;
   TORCH_CHECK((half || scale.scalar_type() == at::kFloat) && bias.scalar_type() == scale.scalar_type() &&
                   scale.size(0) == N &&
-                  bias.sizes() == scale.sizes() && K % G == 0 && (K / G) % 32 == 0,
+                  bias.sizes() == scale.sizes() && K % G == 0 && (K / G) % 32 == 0 && G <= MAX_GROUPS,
               "int4_linear: fp16 or fp32 scale and bias [N, G] with groups a multiple of 32");
   const auto xc = x.contiguous();
   const auto cc = codes.contiguous();
@@ -209,14 +222,117 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return out;
 }
 
+// ---- many rows: dequantize a tile of output features into a cache-sized buffer, GEMM, next tile -----------
+// Converting the whole matrix first writes and re-reads twice its int8 bytes (four times in fp32); a tile
+// of ~256 KiB stays in cache between the conversion and the GEMM, so DRAM sees only the int8/int4 bytes.
+inline void store(float v, float* o) { *o = v; }
+inline void store(float v, double* o) { *o = v; }
+inline void store(float v, at::BFloat16* o) {  // round to nearest even, in integer ops the compiler vectorises
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  o->x = static_cast<uint16_t>((b + 0x7fff + ((b >> 16) & 1)) >> 16);
+}
+inline void store(float v, at::Half* o) { *o = static_cast<at::Half>(v); }
+
+template <typename T>
+void dequant_rows_int8(const int8_t* w, const float* scale, int64_t K, int64_t n0, int64_t n1, T* buf) {
+  at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
+    for (int64_t n = a; n < b; ++n) {
+      const float sc = scale[n];
+      T* o = buf + (n - n0) * K;
+#pragma omp simd
+      for (int64_t k = 0; k < K; ++k) store(static_cast<float>(w[n * K + k]) * sc, o + k);
+    }
+  });
+}
+
+template <typename T, typename S>
+void dequant_rows_int4(const uint8_t* codes, const S* scale, const S* bias, int64_t K, int64_t G, int64_t n0,
+                       int64_t n1, T* buf) {
+  const int64_t group = K / G;
+  at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
+    for (int64_t n = a; n < b; ++n) {
+      T* o = buf + (n - n0) * K;
+      const uint8_t* c = codes + n * (K / 2);
+      for (int64_t g = 0; g < G; ++g) {
+        const float sc = widen(scale[n * G + g]), bi = widen(bias[n * G + g]);
+#pragma omp simd
+        for (int64_t i = 0; i < group / 2; ++i) {
+          const uint8_t byte = c[g * group / 2 + i];
+          store(static_cast<float>(byte & 15) * sc + bi, o + g * group + 2 * i);
+          store(static_cast<float>(byte >> 4) * sc + bi, o + g * group + 2 * i + 1);
+        }
+      }
+    }
+  });
+}
+
+// out[:, n0:n1] = x @ tile^T for tiles filled by fill(n0, n1, tile pointer)
+template <typename Fill>
+at::Tensor tiled_gemm(const at::Tensor& x, int64_t N, Fill fill) {
+  const int64_t K = x.size(1);
+  const int64_t TN = std::max<int64_t>(64, ((256 << 10) / (K * x.element_size())) / 16 * 16);
+  auto out = at::empty({x.size(0), N}, x.options());
+  auto tile = at::empty({std::min(TN, N), K}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += TN) {
+    const int64_t n1 = std::min(N, n0 + TN);
+    auto t = tile.narrow(0, 0, n1 - n0);
+    fill(n0, n1, t);
+    out.narrow(1, n0, n1 - n0).copy_(at::mm(x, t.t()));
+  }
+  return out;
+}
+
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.scalar_type() == at::kChar &&
+                  scale.scalar_type() == at::kFloat && scale.numel() == w.size(0),
+              "int8_gemm: x [M, K], int8 w [N, K], one fp32 scale per row");
+  const auto xc = x.contiguous();
+  const auto wc = w.contiguous();
+  const auto sc = scale.contiguous();
+  return tiled_gemm(xc, w.size(0), [&](int64_t n0, int64_t n1, at::Tensor& t) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_gemm", [&] {
+      dequant_rows_int8<scalar_t>(wc.data_ptr<int8_t>(), sc.data_ptr<float>(), x.size(1), n0, n1,
+                                  t.data_ptr<scalar_t>());
+    });
+  });
+}
+
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias) {
+  const int64_t K = x.size(1), G = scale.size(1);
+  TORCH_CHECK(x.dim() == 2 && codes.size(1) * 2 == K && codes.scalar_type() == at::kByte && K % G == 0 &&
+                  (K / G) % 2 == 0 && bias.sizes() == scale.sizes() && bias.scalar_type() == scale.scalar_type(),
+              "int4_gemm: x [M, K], codes uint8 [N, K / 2], scale and bias [N, G]");
+  const auto xc = x.contiguous();
+  const auto cc = codes.contiguous();
+  const auto sc = scale.contiguous();
+  const auto bc = bias.contiguous();
+  const bool half = scale.scalar_type() == at::kHalf;
+  return tiled_gemm(xc, codes.size(0), [&](int64_t n0, int64_t n1, at::Tensor& t) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int4_gemm", [&] {
+      if (half) {
+        dequant_rows_int4<scalar_t, at::Half>(cc.data_ptr<uint8_t>(), sc.data_ptr<at::Half>(), bc.data_ptr<at::Half>(),
+                                              K, G, n0, n1, t.data_ptr<scalar_t>());
+      } else {
+        dequant_rows_int4<scalar_t, float>(cc.data_ptr<uint8_t>(), sc.data_ptr<float>(), bc.data_ptr<float>(), K, G,
+                                           n0, n1, t.data_ptr<scalar_t>());
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scale, Tensor bias) -> Tensor");
+  m.def("int8_gemm(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("int4_gemm(Tensor x, Tensor codes, Tensor scale, Tensor bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("int8_gemm", &int8_gemm);
+  m.impl("int4_gemm", &int4_gemm);
 }

@@ -202,6 +202,8 @@ class Int8Weight(QuantWeight):
             # torch's bf16 path returns garbage unless K % 32 == 0 (torch 2.13, seen in the tests): fp32 there
             kd = packed_kernel_dtype("int8", x.dtype) if self.shape[1] % 32 == 0 else torch.float32
             return torch.ops.aten._weight_int8pack_mm(x.to(kd), self.q, s.to(kd)).to(x.dtype)
+        if x.device.type == "cpu" and cpu_kernels.load():  # tile by tile, each converted tile cache-resident
+            return torch.ops.pagedserve.int8_gemm(x, self.q, s)
         # dense GEMM on the int8 codes (exact in bf16/fp32), the per-row scale applied to the output
         return F.linear(x, self.q.to(x.dtype)) * s.to(x.dtype)
 
@@ -230,8 +232,8 @@ class Int4Weight(QuantWeight):
 
     `quantize` is symmetric (zero = 0, the chapter's absmax with qmax 7); llama.cpp's Q4_0 maps
     exactly (zero = 0) and Q4_1's `d * c + m` maps as zero = m + 8d. On the CPU, `prepare` keeps the
-    codes for our GEMV (engine/csrc/quant_linear.cpp: M <= INT4_GEMV_MAX_M; larger M dequantizes and runs
-    a GEMM) with scale and bias = zero - 8 * scale in the scale's dtype (fp16 per group: exact for our
+    codes for our kernels (engine/csrc/quant_linear.cpp: a GEMV at M <= INT4_GEMV_MAX_M, else a GEMM over
+    cache-sized dequantized tiles) with scale and bias = zero - 8 * scale in the scale's dtype (fp16 per group: exact for our
     scales and for GGUF's d and m). Without our kernels it converts the codes into
     `_weight_int4pack_mm_for_cpu`'s layout (which depends on the CPU's vector width) and drops the
     row-major copy; that kernel then serves every M.
@@ -312,8 +314,9 @@ class Int4Weight(QuantWeight):
         self.codes = self.codes.new_empty(0)  # the kernel layout is the only copy kept
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self._bias is not None and x.shape[0] <= INT4_GEMV_MAX_M:
-            return torch.ops.pagedserve.int4_linear(x, self.codes, self.scale, self._bias)
+        if self._bias is not None:
+            op = torch.ops.pagedserve.int4_linear if x.shape[0] <= INT4_GEMV_MAX_M else torch.ops.pagedserve.int4_gemm
+            return op(x, self.codes, self.scale, self._bias)
         if self._packed is not None:
             return self._kernel(x.to(self._sz.dtype), self._sz).to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype))
