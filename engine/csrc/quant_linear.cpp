@@ -25,6 +25,7 @@
 namespace {
 
 constexpr int64_t BN = 16;  // output rows per work block
+constexpr int64_t TILE_KIB = 2048;  // dequantized tile for the many-row GEMM: L2/L3-resident
 constexpr int64_t MAX_GROUPS = 1024;  // int4 groups per row (K / group): K up to 32768 at group 32
 
 inline float widen(float x) { return x; }
@@ -271,7 +272,7 @@ void dequant_rows_int4(const uint8_t* codes, const S* scale, const S* bias, int6
 template <typename Fill>
 at::Tensor tiled_gemm(const at::Tensor& x, int64_t N, Fill fill) {
   const int64_t K = x.size(1);
-  const int64_t TN = std::max<int64_t>(64, ((256 << 10) / (K * x.element_size())) / 16 * 16);
+  const int64_t TN = std::max<int64_t>(64, ((TILE_KIB << 10) / (K * x.element_size())) / 16 * 16);
   auto out = at::empty({x.size(0), N}, x.options());
   auto tile = at::empty({std::min(TN, N), K}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += TN) {
