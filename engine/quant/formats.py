@@ -3,16 +3,17 @@
 Every format stores rows (output features) independently, so fused projections are row concatenations
 and llama.cpp's q/k row permutation applies to codes and scales alike.
 
-| format        | storage                                 | bits/weight        | CPU kernel, small M           |
-|---------------|-----------------------------------------|--------------------|-------------------------------|
-| `int8`        | int8 [N, K], fp16 scale per row         | 8 + 16/K           | ours (engine/csrc), else torch's `_weight_int8pack_mm` |
-| `int8-tensor` | int8 [N, K], one scale                  | 8                  | as int8                       |
-| `int4`        | 4-bit codes, fp16 scale per group of g  | 4 + 16/g           | `_weight_int4pack_mm_for_cpu` |
-| `int4-tensor` | 4-bit codes, one scale                  | 4                  | `_weight_int4pack_mm_for_cpu` |
-| `nf4`         | 4-bit NF4 level index, fp16 absmax / 64 | 4.25               | dequantize + GEMM             |
+| format        | storage                                 | bits/weight        | CPU kernel                      |
+|---------------|-----------------------------------------|--------------------|---------------------------------|
+| `int8`        | int8 [N, K], fp16 scale per row         | 8 + 16/K           | ours: GEMV (M <= 4), tiled GEMM |
+| `int8-tensor` | int8 [N, K], one scale                  | 8                  | as int8                         |
+| `int4`        | 4-bit codes, fp16 scale per group of g  | 4 + 16/g           | ours: GEMV (M <= 4), tiled GEMM |
+| `int4-tensor` | 4-bit codes, one scale                  | 4                  | as int4                         |
+| `nf4`         | 4-bit NF4 level index, fp16 absmax / 64 | 4.25               | dequantize + GEMM               |
 
-Large M (prefill) on CPU and everything on CUDA dequantizes then runs a dense GEMM, except int4 on
-the CPU, whose kernel layout is machine-specific and is the only copy kept (see `Int4Weight`).
+"Ours" is engine/csrc/quant_linear.cpp (built by engine.cpu_kernels); where it cannot be built, torch's
+`_weight_int8pack_mm` (M <= 4) and `_weight_int4pack_mm_for_cpu` (every M, its own machine-specific layout,
+see `Int4Weight`) take over, and large M for int8 dequantizes then runs a dense GEMM. CUDA always does that.
 
 torch's packed CPU kernels are fast with bf16 activations and 5-25x slower with fp32 ones on the AVX-512
 CPUs we measured (their fp32 path is not vectorised the same way), so `packed_kernel_dtype` times both
