@@ -63,11 +63,13 @@ PROSE = [
 ]
 
 
-def drafts_available() -> list[tuple[str, dict]]:
+def drafts_available(only: str | None = None) -> list[tuple[str, dict]]:
+    """Self-drafts: bf16, and each quantized format; `only` keeps those named (e.g. "int8,int4")."""
     out = [("bf16 self-draft", dict(draft_dtype="bfloat16"))]
     if importlib.util.find_spec("engine.quant") is not None:
         out += [(f"{q} self-draft", dict(draft_dtype="float32", draft_quantization=q)) for q in QUANT_FORMATS]
-    return out
+    keep = None if only is None else {x.strip() for x in only.split(",")}
+    return [(name, opts) for name, opts in out if keep is None or name.split()[0] in keep]
 
 
 def generate(eng, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None) -> list[dict]:
@@ -128,6 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-gamma", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=None, help="output tokens per request")
     ap.add_argument("--gammas", default=None, help="γ values measured at fixed γ (default 1..max-gamma)")
+    ap.add_argument("--drafts", default=None, help="self-drafts to measure, e.g. int8,int4 (default: bf16 and all "
+                                                    "quantized formats)")
     args = ap.parse_args(argv)
     result = common.setup(args)
     quick = args.quick
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  max(gammas), 3 if quick else 5)
     r_gamma = [t / target_steps[0] for t in target_steps]
     rows_alpha, rows_pred, table1 = [], [], {}
-    for name, opts in drafts_available():
+    for name, opts in drafts_available(args.drafts):
         eng = common.engine(target, num_blocks=512, speculative_method="draft", num_speculative_tokens=max(gammas),
                             **opts)
         proposer = eng.speculator.proposer
@@ -199,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     for wname, prompts in (("lookup (quote/repeat/edit)", lookup), ("free prose", prose)):
         base = generate(plain, prompts, n_tokens, logprobs=5)
         configs = [("ngram", dict(speculative_method="ngram"))]
-        configs += [(name, dict(speculative_method="draft", **opts)) for name, opts in drafts_available()]
+        configs += [(name, dict(speculative_method="draft", **opts)) for name, opts in drafts_available(args.drafts)]
         tpot[wname] = {"plain_s": mean_tpot(base)}
         rows.append([wname, "none", common.ms(mean_tpot(base)), "1.00x", "-", "-", "-"])
         for cname, opts in configs:

@@ -279,7 +279,7 @@ at::Tensor tiled_gemm(const at::Tensor& x, int64_t N, Fill fill) {
     const int64_t n1 = std::min(N, n0 + TN);
     auto t = tile.narrow(0, 0, n1 - n0);
     fill(n0, n1, t);
-    out.narrow(1, n0, n1 - n0).copy_(at::mm(x, t.t()));
+    out.narrow(1, n0, n1 - n0).copy_(at::linear(x, t));  // at::mm(x, t.t()) took a slow path for bf16
   }
   return out;
 }
