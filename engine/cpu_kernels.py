@@ -37,7 +37,8 @@ def load() -> bool:
 
     texts = [p.read_text() for p in SOURCES]
     # -march=native code is only valid on this CPU: the key covers the CPU model as well as the sources
-    key = hashlib.sha256("\0".join([*texts, torch.__version__, *CFLAGS, *LDFLAGS, _cpu_model()]).encode()).hexdigest()[:16]
+    parts = [*texts, torch.__version__, *CFLAGS, *LDFLAGS, _cpu_model()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     name = f"pagedserve_cpu_kernels_{key}"
     build = cache_dir() / name
     t0 = time.perf_counter()

@@ -234,8 +234,8 @@ class Int4Weight(QuantWeight):
     `quantize` is symmetric (zero = 0, the chapter's absmax with qmax 7); llama.cpp's Q4_0 maps
     exactly (zero = 0) and Q4_1's `d * c + m` maps as zero = m + 8d. On the CPU, `prepare` keeps the
     codes for our kernels (engine/csrc/quant_linear.cpp: a GEMV at M <= INT4_GEMV_MAX_M, else a GEMM over
-    cache-sized dequantized tiles) with scale and bias = zero - 8 * scale in the scale's dtype (fp16 per group: exact for our
-    scales and for GGUF's d and m). Without our kernels it converts the codes into
+    cache-sized dequantized tiles) with scale and bias = zero - 8 * scale in the scale's dtype (fp16 per
+    group: exact for our scales and for GGUF's d and m). Without our kernels it converts the codes into
     `_weight_int4pack_mm_for_cpu`'s layout (which depends on the CPU's vector width) and drops the
     row-major copy; that kernel then serves every M.
     """
