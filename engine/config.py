@@ -184,6 +184,8 @@ class EngineConfig:
     attention_backend: str = opt("auto", "attention implementation (auto: triton on CUDA, the C++ kernel on CPU)",
                                   choices=("auto", "cpu", "torch", "triton"))
     cuda_graphs: bool = opt(True, "capture decode steps as CUDA graphs (CUDA + Triton backend)")
+    compile: bool = opt(False, "torch.compile the decoder layers around the attention (CPU; warmed up at start, "
+                               "cached on disk; measured no faster yet, see engine/compiled.py)")
     max_model_len: int | None = opt(None, "context length (default: the model's)")
     seed: int = opt(0, "seed for random weights and unseeded sampling")
     quantization: str = opt("none", "weight format: none, int8 (per row), int4 (per group), nf4, or the per-tensor "

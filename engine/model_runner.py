@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
+from engine import compiled
 from engine.attention import AttentionMetadata, get_backend
 from engine.config import EngineConfig, ModelConfig, dtype_size
 from engine.models.llama import LlamaModel
@@ -53,6 +55,12 @@ class ModelRunner:
         self.graph_runner = None
         if config.cuda_graphs and device.type == "cuda" and self.backend.name == "triton":
             self.graph_runner = self._capture_graphs()
+        self.halves = None  # compiled (pre, post) halves of the decoder layers; None: eager
+        self.compile_s = 0.0  # warm-up time, cache hits included
+        if config.compile and device.type == "cpu":  # CUDA has its graphs (engine/graph_runner.py)
+            t0 = time.perf_counter()
+            self.halves = compiled.build(model, dtype)
+            self.compile_s = time.perf_counter() - t0
 
     def _capture_graphs(self):
         from engine.graph_runner import DecodeGraphRunner
@@ -120,8 +128,8 @@ class ModelRunner:
             hidden = self.graph_runner.run(host.input_ids, host.positions, host.slot_mapping, host.seq_lens,
                                            host.block_tables)
         else:
-            hidden = self.model(host.input_ids.to(self.device), host.positions.to(self.device), self.kv_caches,
-                                host.metadata(self.device, query_lens, seq_lens), self.backend)
+            hidden = self._forward(host.input_ids.to(self.device), host.positions.to(self.device),
+                                   host.metadata(self.device, query_lens, seq_lens))
 
         # logits only at each sampling sequence's last scheduled token
         ends = host.query_start_loc[1:].tolist()  # one conversion, not a tensor index per sequence
@@ -142,6 +150,15 @@ class ModelRunner:
             sampled[i] = tok
             logprobs[i] = lp
         return sampled, logprobs, prompt_lps
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.halves is not None:
+            try:
+                return self.model(input_ids, positions, self.kv_caches, meta, self.backend, halves=self.halves)
+            except Exception:  # an eager rerun rewrites the same KV slots: the step stays correct
+                logger.exception("compiled step failed; running eagerly from now on")
+                self.halves = None
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
     def _prompt_logprobs(self, step: StepInput, order: list[int], ends: list[int],
                          hidden) -> dict[int, tuple[int, list[TokenLogprob]]]:

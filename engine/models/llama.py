@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.compiled import packed_linear
 from engine.config import ModelConfig
 
 
@@ -38,6 +39,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
+            if torch.compiler.is_compiling():  # an opaque op: inductor cannot lower it with the weight as an input
+                return packed_linear(x, self.packed, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -129,8 +132,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x, k_cache, v_cache, meta: AttentionMetadata,
-                backend: AttentionBackend):
+    def project(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor):
+        """q [T, Hq, D], k and v [T, Hkv, D]: the projection, q/k norms and RoPE."""
         t, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)
         if self.q_norm is not None:
@@ -138,8 +141,12 @@ class Attention(nn.Module):
         else:
             qk = qkv[:, :hq + hkv]
         qk = apply_rope(qk, *rope)  # q and k in one go
-        o = backend.forward(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:], k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.view(t, self.q_size))
+        return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x, k_cache, v_cache, meta: AttentionMetadata,
+                backend: AttentionBackend):
+        o = backend.forward(*self.project(rope, x), k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.view(x.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -165,6 +172,14 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(rope, self.input_layernorm(h), k_cache, v_cache, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    # The layer without its attention, in two halves (what engine/compiled.py compiles)
+    def pre_attention(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor):
+        return self.self_attn.project(rope, self.input_layernorm(h))
+
+    def post_attention(self, o: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn.o_proj(o.view(o.shape[0], -1))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
@@ -184,12 +199,21 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
-        """Hidden states [T, hidden] for every input token (before the final norm)."""
+                backend: AttentionBackend, halves: tuple | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] for every input token (before the final norm).
+
+        `halves`: (pre, post) callables standing for DecoderLayer.pre_attention / post_attention (compiled
+        ones, engine/compiled.py); the attention between them always runs eagerly."""
         h = self.embed_tokens(input_ids)
         rope = self.rope(positions, h.dtype)
+        if halves is None:
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                h = layer(rope, h, k_cache, v_cache, meta, backend)
+            return h
+        pre, post = halves
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = layer(rope, h, k_cache, v_cache, meta, backend)
+            o = backend.forward(*pre(layer, rope, h), k_cache, v_cache, meta, layer.self_attn.scale)
+            h = post(layer, o, h)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
