@@ -79,7 +79,8 @@ def run_row(tree: str, serve_args: list[str], args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--baseline-tree", default=None, help="source tree of the baseline row (skipped if unset)")
+    ap.add_argument("--baseline-tree", action="append", default=[],
+                    help="source tree of a baseline row (repeatable; none: no baseline row)")
     ap.add_argument("--step-targets", default="0", help="max-step-ms values for extra rows of this tree")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -87,8 +88,8 @@ def main() -> None:
     args = ap.parse_args()
     print(machine_header(), flush=True)
     rows = []
-    if args.baseline_tree:
-        rows.append((f"baseline ({args.baseline_tree})", args.baseline_tree, []))
+    for tree in args.baseline_tree:
+        rows.append((f"baseline ({tree})", tree, []))
     rows.append(("ours (default step target)", REPO, []))
     for x in filter(None, args.step_targets.split(",")):
         rows.append((f"ours, max-step-ms={x}", REPO, ["--max-step-ms", x]))

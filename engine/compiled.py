@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.cpu_paged import cache_dir
+from engine.cpu_kernels import cache_dir
 
 logger = logging.getLogger(__name__)
 
