@@ -19,8 +19,7 @@ import sys
 import time
 
 # OpenMP keeps its default (spinning) wait policy, as a server runs: PASSIVE nearly doubled the batch-1 step
-
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
