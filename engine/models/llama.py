@@ -13,9 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.compiled import packed_linear
 from engine.config import ModelConfig
+
+
+def fused_ops(x: torch.Tensor) -> bool:
+    """Whether the C++ layer ops (engine/csrc/layer_ops.cpp) serve x: on the CPU, built, and not under
+    torch.compile (which traces the PyTorch ops instead)."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling() and cpu_kernels.load()
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +32,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == self.weight.dtype and fused_ops(x):
+            return torch.ops.pagedserve.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # normalise in fp32 then scale in the model dtype, as the reference does (and on CPUs the
@@ -116,6 +125,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x' = x * cos + rotate_half(x) * sin; in place on the CPU (x is a view of the step's fresh qkv)."""
+    if cos.dtype == x.dtype and fused_ops(x):
+        torch.ops.pagedserve.rope_(x, cos, sin)
+        return x
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -156,7 +169,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused_ops(x):
+            return self.down_proj(torch.ops.pagedserve.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -169,8 +185,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, rope, h, k_cache, v_cache, meta, backend):
-        h = h + self.self_attn(rope, self.input_layernorm(h), k_cache, v_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(rope, self.input_layernorm(h), k_cache, v_cache, meta, backend)
+        norm = self.post_attention_layernorm
+        if h.dtype == norm.weight.dtype and h.is_contiguous() and fused_ops(h):
+            # h += a in place (h is this step's own tensor) and the norm of the sum, in one pass
+            return h + self.mlp(torch.ops.pagedserve.add_rms_norm(a, h, norm.weight, norm.eps))
+        h = h + a
+        return h + self.mlp(norm(h))
 
     # The layer without its attention, in two halves (what engine/compiled.py compiles)
     def pre_attention(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor):

@@ -1,0 +1,157 @@
+// The decoder layer's small ops, fused: RMSNorm (with the residual add before it), RoPE in place, SiLU * up.
+//
+// At batch 1 each of these is several PyTorch ops (casts, reductions, chunk/cat/neg for RoPE) of a few
+// microseconds each, ~40 per layer: together a sizeable share of a step once the weights are quantized.
+// Each op here is one pass over its rows. Arithmetic is fp32; for bf16/fp16 tensors the results are rounded
+// where the PyTorch path rounds (after the normalisation, after each product), so the two paths agree to
+// the last bit in most elements and to one rounding step elsewhere.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float f32(float x) { return x; }
+inline float f32(at::BFloat16 x) { return static_cast<float>(x); }
+inline float f32(at::Half x) { return static_cast<float>(x); }
+inline float f32(double x) { return static_cast<float>(x); }
+// round to the storage type and back: where the PyTorch path materialises an intermediate in T
+template <typename T>
+inline float rnd(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+constexpr int64_t GRAIN = 16;  // rows per task: tiny batches stay on one thread (no fork/join cost)
+
+// y = weight * normalise(x) (RMS over the last dim). With `residual`: residual += x first, in place, and the
+// sum is normalised (the layer's `h = h + sublayer(...)` then the next norm).
+template <typename T>
+void rms_norm_impl(const T* x, T* residual, const T* weight, T* y, int64_t rows, int64_t H, float eps) {
+  at::parallel_for(0, rows, GRAIN, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * H;
+      T* hr = residual != nullptr ? residual + r * H : nullptr;
+      float ss = 0.f;
+      for (int64_t i = 0; i < H; ++i) {
+        float v = f32(xr[i]);
+        if (hr != nullptr) {
+          v = rnd<T>(f32(hr[i]) + v);
+          hr[i] = static_cast<T>(v);
+        }
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+      const T* src = hr != nullptr ? hr : xr;
+      T* yr = y + r * H;
+      for (int64_t i = 0; i < H; ++i) yr[i] = static_cast<T>(rnd<T>(f32(src[i]) * inv) * f32(weight[i]));
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0) && x.scalar_type() == weight.scalar_type(),
+              "rms_norm: x [T, H] and weight [H] of one dtype");
+  const auto xc = x.contiguous();
+  const auto wc = weight.contiguous();
+  auto y = at::empty_like(xc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_impl<scalar_t>(xc.data_ptr<scalar_t>(), nullptr, wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
+                            x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return y;
+}
+
+// residual += x (in place); returns rms_norm(residual)
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: a contiguous residual shaped and typed like x");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0) && x.scalar_type() == weight.scalar_type(),
+              "add_rms_norm: x [T, H] and weight [H] of one dtype");
+  const auto xc = x.contiguous();
+  const auto wc = weight.contiguous();
+  auto y = at::empty_like(xc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_impl<scalar_t>(xc.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(),
+                            y.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return y;
+}
+
+// Neox-style (rotate-half) RoPE in place on x [T, heads, D] (any strides with a unit last stride), cos/sin
+// [T, D] in x's dtype: x' = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1).
+template <typename T>
+void rope_impl(T* x, int64_t T_, int64_t heads, int64_t D, int64_t st, int64_t sh, const T* cos, const T* sin) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, T_, GRAIN, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* c = cos + t * D;
+      const T* s = sin + t * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = x + t * st + h * sh;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = f32(v[i]), b = f32(v[i + half]);
+          v[i] = static_cast<T>(rnd<T>(a * f32(c[i])) + rnd<T>(-b * f32(s[i])));
+          v[i + half] = static_cast<T>(rnd<T>(b * f32(c[i + half])) + rnd<T>(a * f32(s[i + half])));
+        }
+      }
+    }
+  });
+}
+
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rope_: x [T, heads, D], unit last stride");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
+                  sin.numel() == cos.numel() && cos.scalar_type() == x.scalar_type() &&
+                  sin.scalar_type() == x.scalar_type(),
+              "rope_: contiguous cos and sin [T, D] in x's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_", [&] {
+    rope_impl<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1),
+                        cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>());
+  });
+}
+
+// [T, 2I] (gate | up) -> silu(gate) * up, [T, I]
+template <typename T>
+void silu_mul_impl(const T* x, T* y, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, GRAIN, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = x + r * 2 * I;
+      const T* u = g + I;
+      T* o = y + r * I;
+      for (int64_t i = 0; i < I; ++i) {
+        const float a = f32(g[i]);
+        o[i] = static_cast<T>(rnd<T>(a / (1.f + std::exp(-a))) * f32(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x [T, 2I]");
+  const auto xc = x.contiguous();
+  auto y = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_mul_impl<scalar_t>(xc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), x.size(0), x.size(1) / 2);
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_", &rope_);
+  m.impl("silu_and_mul", &silu_and_mul);
+}

@@ -1,0 +1,76 @@
+"""The fused C++ layer ops (engine/csrc/layer_ops.cpp) against the PyTorch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import engine.models.llama as llama
+from engine import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels did not build")
+# fp32: accumulation order only; bf16: the fused ops round where the PyTorch path rounds, so at most one
+# bf16 step (2^-8 relative) apart
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    assert a.dtype == b.dtype == dtype and a.shape == b.shape
+    assert torch.allclose(a.float(), b.float(), rtol=TOL[dtype], atol=TOL[dtype] * b.float().abs().max().item())
+
+
+@pytest.fixture
+def pytorch_path(monkeypatch):
+    """Run the model's PyTorch ops instead of the fused ones."""
+    def use():
+        monkeypatch.setattr(llama, "fused_ops", lambda x: False)
+    return use
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_norm_rope_mlp_layer_match(dtype, rows, pytorch_path):
+    torch.manual_seed(0)
+    cfg = llama.ModelConfig(architecture="llama", vocab_size=64, hidden_size=96, intermediate_size=160, num_layers=1,
+                            num_heads=6, num_kv_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5)
+    layer = llama.DecoderLayer(cfg).to(dtype)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.2)
+    rope = llama.RotaryEmbedding(cfg, 128)
+    cos, sin = rope(torch.arange(3, 3 + rows), dtype)
+    x = torch.randn(rows, 96).to(dtype)
+    qkv = torch.randn(rows, 10, 16).to(dtype)
+    gate_up = torch.randn(rows, 320).to(dtype)
+    h, a = torch.randn(rows, 96).to(dtype), torch.randn(rows, 96).to(dtype)
+    norm = layer.post_attention_layernorm
+
+    fused = {"norm": norm(x), "rope": llama.apply_rope(qkv.clone()[:, :8], cos, sin).clone(),
+             "silu": torch.ops.pagedserve.silu_and_mul(gate_up)}
+    h2 = h.clone()
+    fused["add_norm"] = torch.ops.pagedserve.add_rms_norm(a, h2, norm.weight, norm.eps)
+    pytorch_path()
+    _close(fused["norm"], norm(x), dtype)
+    _close(fused["rope"], llama.apply_rope(qkv[:, :8], cos, sin), dtype)
+    g, u = gate_up.chunk(2, dim=-1)
+    _close(fused["silu"], F.silu(g) * u, dtype)
+    ref_h = h + a
+    _close(h2, ref_h, dtype)  # the residual was updated in place
+    _close(fused["add_norm"], norm(ref_h), dtype)
+
+
+def test_rope_leaves_v_alone_and_works_on_strided_views():
+    torch.manual_seed(1)
+    cfg = llama.ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                            num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)
+    cos, sin = llama.RotaryEmbedding(cfg, 64)(torch.tensor([0, 7, 20]), torch.float32)
+    qkv = torch.randn(3, 4, 16)
+    before = qkv.clone()
+    out = llama.apply_rope(qkv[:, :3], cos, sin)
+    assert out.data_ptr() == qkv.data_ptr()  # in place, through the strided view
+    assert torch.equal(qkv[:, 3], before[:, 3])  # v untouched
+    assert torch.allclose(out[0], before[0, :3])  # position 0: cos 1, sin 0
+    assert not torch.allclose(out[1], before[1, :3])
+    # a rotation keeps each (x_i, x_{i+D/2}) pair's length
+    pair_len = lambda t: t[..., :8] ** 2 + t[..., 8:] ** 2
+    assert torch.allclose(pair_len(out), pair_len(before[:, :3]), atol=1e-5)
