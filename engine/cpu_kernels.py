@@ -19,6 +19,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))
+HEADERS = sorted(Path(__file__).with_name("csrc").glob("*.h"))  # in the cache key: a changed header rebuilds
 # -fopenmp: at::parallel_for is a header template whose `#pragma omp parallel` is compiled into our own code;
 # without it every kernel ran on one thread. libgomp.so.1 resolves to the copy torch already loaded.
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
@@ -36,7 +37,7 @@ def load() -> bool:
     """Build (or load the cached build of) the extension; False, with a logged warning, if it cannot."""
     import torch
 
-    texts = [p.read_text() for p in SOURCES]
+    texts = [p.read_text() for p in SOURCES + HEADERS]
     # -march=native code is only valid on this CPU: the key covers the CPU model as well as the sources
     parts = [*texts, torch.__version__, *CFLAGS, *LDFLAGS, _cpu_model()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]

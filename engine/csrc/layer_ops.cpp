@@ -13,12 +13,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "widen.h"
+
 namespace {
 
-inline float f32(float x) { return x; }
-inline float f32(at::BFloat16 x) { return static_cast<float>(x); }
-inline float f32(at::Half x) { return static_cast<float>(x); }
-inline float f32(double x) { return static_cast<float>(x); }
+using pagedserve::widen;
 // round to the storage type and back: where the PyTorch path materialises an intermediate in T
 template <typename T>
 inline float rnd(float x) {
@@ -37,9 +36,9 @@ void rms_norm_impl(const T* x, T* residual, const T* weight, T* y, int64_t rows,
       T* hr = residual != nullptr ? residual + r * H : nullptr;
       float ss = 0.f;
       for (int64_t i = 0; i < H; ++i) {
-        float v = f32(xr[i]);
+        float v = widen(xr[i]);
         if (hr != nullptr) {
-          v = rnd<T>(f32(hr[i]) + v);
+          v = rnd<T>(widen(hr[i]) + v);
           hr[i] = static_cast<T>(v);
         }
         ss += v * v;
@@ -47,7 +46,7 @@ void rms_norm_impl(const T* x, T* residual, const T* weight, T* y, int64_t rows,
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
       const T* src = hr != nullptr ? hr : xr;
       T* yr = y + r * H;
-      for (int64_t i = 0; i < H; ++i) yr[i] = static_cast<T>(rnd<T>(f32(src[i]) * inv) * f32(weight[i]));
+      for (int64_t i = 0; i < H; ++i) yr[i] = static_cast<T>(rnd<T>(widen(src[i]) * inv) * widen(weight[i]));
     }
   });
 }
@@ -93,9 +92,9 @@ void rope_impl(T* x, int64_t T_, int64_t heads, int64_t D, int64_t st, int64_t s
       for (int64_t h = 0; h < heads; ++h) {
         T* v = x + t * st + h * sh;
         for (int64_t i = 0; i < half; ++i) {
-          const float a = f32(v[i]), b = f32(v[i + half]);
-          v[i] = static_cast<T>(rnd<T>(a * f32(c[i])) + rnd<T>(-b * f32(s[i])));
-          v[i + half] = static_cast<T>(rnd<T>(b * f32(c[i + half])) + rnd<T>(a * f32(s[i + half])));
+          const float a = widen(v[i]), b = widen(v[i + half]);
+          v[i] = static_cast<T>(rnd<T>(a * widen(c[i])) + rnd<T>(-b * widen(s[i])));
+          v[i + half] = static_cast<T>(rnd<T>(b * widen(c[i + half])) + rnd<T>(a * widen(s[i + half])));
         }
       }
     }
@@ -123,8 +122,8 @@ void silu_mul_impl(const T* x, T* y, int64_t rows, int64_t I) {
       const T* u = g + I;
       T* o = y + r * I;
       for (int64_t i = 0; i < I; ++i) {
-        const float a = f32(g[i]);
-        o[i] = static_cast<T>(rnd<T>(a / (1.f + std::exp(-a))) * f32(u[i]));
+        const float a = widen(g[i]);
+        o[i] = static_cast<T>(rnd<T>(a / (1.f + std::exp(-a))) * widen(u[i]));
       }
     }
   });

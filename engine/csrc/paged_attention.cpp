@@ -20,21 +20,15 @@
 #include <limits>
 #include <vector>
 
+#include "widen.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float widen(at::Half x) { return static_cast<float>(x); }
-inline float widen(double x) { return static_cast<float>(x); }
+using pagedserve::widen;
 
 struct Tile {
   int64_t seq, row0, rows, ctx, seq_len;  // query rows [row0, row0 + rows) of seq; first at position ctx

@@ -15,7 +15,9 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#include "widen.h"
+
+#ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -28,19 +30,7 @@ constexpr int64_t BN = 16;  // output rows per work block
 constexpr int64_t TILE_KIB = 2048;  // dequantized tile for the many-row GEMM: L2/L3-resident
 constexpr int64_t MAX_GROUPS = 1024;  // int4 groups per row (K / group): K up to 32768 at group 32
 
-inline float widen(float x) { return x; }
-inline float widen(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-#ifdef __F16C__
-inline float widen(at::Half x) { return _cvtsh_ss(x.x); }  // one instruction; c10's portable path is ~20
-#else
-inline float widen(at::Half x) { return static_cast<float>(x); }
-#endif
-inline float widen(double x) { return static_cast<float>(x); }
+using pagedserve::widen;
 
 // dot products of one int8 weight row with MR fp32 activation rows (each K long). One weight row at a
 // time: tiles of several rows (reusing each activation load) measured ~2x slower at M = 1 on Zen 4, whose
