@@ -10,13 +10,13 @@ import logging
 
 import pytest
 import torch
+from conftest import greedy, record_comparison, run_to_completion
 
 from engine import compiled
 from engine.attention import TorchPagedAttention
 from engine.config import ModelConfig, cpu_has_fast_bf16
 from engine.model_runner import _HostBatch
 from engine.models.llama import LlamaModel
-from conftest import greedy, record_comparison, run_to_completion
 
 # Logits of the compiled forward vs eager, same batch: fp32 differs only by reordered sums (measured 3e-4 on
 # SmolLM2's ~±20 logits); bf16 by rounding at different points, a few bf16 ulps of the logit scale.
