@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--text", default=None, help="prompt source (default ../shared/data/pride_and_prejudice.txt)")
+    ap.add_argument("--text", default=None, help="prompt source (default: the book shipped in benchmarks/data/)")
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--hf-dtypes", default="float32,bfloat16", help="HF runs at each; the fastest is the baseline")
     ap.add_argument("--hf-order", default="sorted", choices=["sorted", "arrival"])

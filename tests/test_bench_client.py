@@ -270,7 +270,7 @@ def test_prose_and_prefix_workloads(server: tuple[str, FakeState]) -> None:
     try:
         serve.workloads.default_text_path()
     except FileNotFoundError:
-        pytest.skip("no ../shared/data text file")
+        pytest.skip("no shipped text file (benchmarks/data/)")
     url, _ = server
     for workload in ("prose", "prefix"):
         res = bench(url, "--workload", workload, "--num-prompts", "4", "--num-warmups", "0")
