@@ -24,6 +24,12 @@ DEFAULT_CPU_KV_GIB = 1.0
 DEFAULT_GPU_KV_FRACTION = 0.9
 
 
+def gpu_kv_budget(free: int, total: int, activations: int, fraction: float = DEFAULT_GPU_KV_FRACTION) -> float:
+    """Bytes for KV blocks: the GPU may be `fraction` full in all, and what is in use now (weights, the CUDA
+    context, other processes: total - free) plus the largest step's activations is not ours to take."""
+    return free - (1.0 - fraction) * total - activations
+
+
 @dataclass(slots=True)
 class StepInput:
     """What the model runner needs from the scheduler for one step."""
@@ -91,14 +97,47 @@ class ModelRunner:
         if cache.memory_gib is not None:
             budget = cache.memory_gib * 2**30
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * DEFAULT_GPU_KV_FRACTION - 2**30  # headroom for activations
+            activations = self._profile_peak_bytes()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = gpu_kv_budget(free, total, activations)
+            logger.info("KV cache: %.2f GiB free of %.2f GiB; the largest step peaks at %.2f GiB of activations; "
+                        "%.2f GiB for KV blocks (%.0f%% of the GPU in use at most)", free / 2**30, total / 2**30,
+                        activations / 2**30, budget / 2**30, DEFAULT_GPU_KV_FRACTION * 100)
         else:
             budget = DEFAULT_CPU_KV_GIB * 2**30
         num = int(budget // per_block)
         if num < 1:
             raise ValueError(f"KV-cache budget of {budget / 2**30:.2f} GiB holds no {per_block}-byte block")
         return num
+
+    def _profile_forward(self) -> None:
+        """The largest step the scheduler can build: max_num_batched_tokens prompt tokens of one sequence (through
+        a scratch KV cache of just its blocks), and logits for max_num_seqs rows."""
+        cfg, sched = self.model_config, self.config.scheduler
+        tokens = sched.max_num_batched_tokens
+        blocks = -(-tokens // self.block_size)
+        scratch = torch.zeros(cfg.num_layers, 2, blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                              dtype=self.dtype, device=self.device)
+        caches = [(scratch[i, 0], scratch[i, 1]) for i in range(cfg.num_layers)]
+        positions = [p % self.model.rope.max_positions for p in range(tokens)]
+        meta = self._metadata(positions, [tokens], [tokens], [list(range(blocks))])
+        with torch.inference_mode():
+            hidden = self.model(torch.zeros(tokens, dtype=torch.long, device=self.device),
+                                torch.tensor(positions, device=self.device), caches, meta, self.backend)
+            self.model.compute_logits(hidden[:min(sched.max_num_seqs, tokens)])
+
+    def _profile_peak_bytes(self) -> int:
+        """Peak memory of the largest step above the weights (vLLM's profile run), measured before the KV cache
+        exists: what must stay free beside the KV blocks."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._profile_forward()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        return peak
 
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.numel() * dtype_size(self.kv_cache.dtype)

@@ -136,6 +136,27 @@ def test_memory_budget_sizes_the_cache(make_engine):
     assert engine.runner.num_blocks == int(0.05 * 2**30 // per_block)
 
 
+def test_gpu_kv_budget_leaves_room_for_the_profiled_step():
+    """The GPU pool: at most 90 % of the GPU in use, minus what is in use now and the largest step's peak."""
+    from engine.model_runner import gpu_kv_budget
+
+    gib = 2**30
+    assert gpu_kv_budget(free=100 * gib, total=140 * gib, activations=3 * gib) == 100 * gib - 14 * gib - 3 * gib
+    assert gpu_kv_budget(free=10 * gib, total=140 * gib, activations=3 * gib) < 0  # _num_blocks then refuses
+
+
+def test_profile_step_runs_the_largest_step_without_touching_the_cache(make_engine, smollm):
+    """The profile run (what sizes a GPU pool) is a real forward at the full token budget through a scratch
+    cache: the engine's own KV blocks stay as they were, and it still serves afterwards."""
+    engine = make_engine(num_blocks=64, max_num_batched_tokens=96)
+    runner = engine.runner
+    before = runner.kv_cache.clone()
+    runner._profile_forward()
+    assert torch.equal(runner.kv_cache, before)
+    engine.add_request("after", "The weather today is", greedy(4))
+    assert len(run_to_completion(engine)["after"]["tokens"]) == 4
+
+
 @pytest.mark.parametrize("kwargs,param", [
     (dict(max_tokens=0), "max_tokens"),
     (dict(temperature=-0.5), "temperature"),

@@ -87,6 +87,25 @@ def test_kernels_match_dequantize_reference(fmt, shape, dtype):
         assert _rel(got, x.float() @ ref_w.t()) < tol * 2, (fmt, shape, m)
 
 
+@pytest.mark.parametrize("dtype", ACT_DTYPES)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_gemv_every_row_count_and_group(group, dtype):
+    """The int4 GEMV's accumulator splits and tails: M = 1..5 (4 is the last GEMV row count), a row count that is
+    no multiple of the 16-row work block, every group size (a scale per 32 codes, or shared by 2 or 4 of them),
+    and a Q4_1-style zero folded into the bias."""
+    torch.manual_seed(5)
+    n, k = 100, 1152
+    qw = quantize(torch.randn(n, k) * 0.02, "int4", group)
+    m = (torch.randn(n, k // group) * 0.01).half().float()  # Q4_1's m: zero = m + 8 d (quantize is symmetric)
+    qw.zero = m + 8 * qw.scale.float()
+    ref_w = qw.dequantize()
+    qw.prepare(torch.device("cpu"), dtype)
+    tol = TOL[getattr(qw, "kernel_dtype", None) or dtype]
+    for m in range(1, 6):
+        x = torch.randn(m, k).to(dtype)
+        assert _rel(qw.matmul(x), x.float() @ ref_w.t()) < tol * 2, (group, m)
+
+
 @pytest.mark.parametrize("built", [True, False])
 def test_int8_gemv_odd_widths_and_without_our_kernel(monkeypatch, built):
     """Our int8 GEMV's K tail (not a multiple of 16) and every M up to the threshold; without the C++ kernels,

@@ -28,33 +28,12 @@
 
 namespace {
 
+using pagedserve::fast_exp;
 using pagedserve::widen;
 
 struct Tile {
   int64_t seq, row0, rows, ctx, seq_len;  // query rows [row0, row0 + rows) of seq; first at position ctx
 };
-
-// exp(x) for x <= 0 in plain arithmetic, so loops over it vectorise (std::exp does not): 2^x = 2^i * 2^f,
-// 2^f by a degree-6 polynomial on [-0.5, 0.5] (relative error ~2e-7); below -126 * ln 2 it flushes to 0.
-inline float fast_exp(float x) {
-  float t = x * 1.4426950408889634f;
-  t = t < -126.f ? -126.f : t;
-  const float i = (t + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23 trick
-  const float f = t - i;
-  float p = 1.5403530e-4f;
-  p = p * f + 1.3333558e-3f;
-  p = p * f + 9.6181291e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022651e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += static_cast<int32_t>(i) << 23;
-  float r;
-  std::memcpy(&r, &bits, sizeof r);
-  return x < -87.f ? 0.f : r;
-}
 
 constexpr int64_t ROWS = 4;  // query rows scored together: four independent FMA chains per key vector
 

@@ -30,7 +30,7 @@ class QuantSpec:
 
     format: str
     group_size: int | None = None
-    quantize_lm_head: bool | None = None  # None: on for int8 / int8-tensor, off for 4-bit formats
+    quantize_lm_head: bool | None = None  # None: on for int8, int8-tensor and int4; off for nf4 and int4-tensor
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -40,7 +40,15 @@ class QuantSpec:
 
     @property
     def lm_head(self) -> bool:
-        return self.format.startswith("int8") if self.quantize_lm_head is None else self.quantize_lm_head
+        if self.quantize_lm_head is None:
+            return self.format in ("int8", "int8-tensor", "int4")
+        return self.quantize_lm_head
+
+    @property
+    def head_format(self) -> str:
+        """The LM head's format: int4 keeps it in int8 rows (as llama.cpp keeps its output matrix at 8 bits or
+        more), because the head is where 4-bit error hurts the chosen token most and it is a fifth of the bytes."""
+        return "int8" if self.format == "int4" else self.format
 
     @classmethod
     def from_options(cls, quantization: str | None, group_size: int | None = None,
@@ -136,8 +144,10 @@ def load(model, weights: Iterable[tuple[str, torch.Tensor | GGUFBlocks]], spec: 
     pending: dict[str, list] = {}
     stats = {"direct": 0, "quantized": 0}
 
-    def to_quant(t, embedding: bool = False) -> QuantWeight:
-        qw = quantize_tensor(t, spec, group, embedding)
+    head_spec = QuantSpec(spec.head_format, spec.group_size, spec.quantize_lm_head)
+
+    def to_quant(t, embedding: bool = False, head: bool = False) -> QuantWeight:
+        qw = quantize_tensor(t, head_spec if head else spec, group, embedding)
         stats["direct" if isinstance(t, GGUFBlocks) and getattr(qw, "from_blocks", False) else "quantized"] += 1
         return qw
 
@@ -149,12 +159,13 @@ def load(model, weights: Iterable[tuple[str, torch.Tensor | GGUFBlocks]], spec: 
                 emb = to_quant(t, embedding=True)
                 model.embed_tokens = QuantEmbedding(emb, dtype, device)
                 if tied:  # one int8 per-row copy serves both where the formats agree
-                    head = emb if spec.format == "int8" and emb.group == emb.shape[1] else to_quant(t)
+                    same = spec.head_format == "int8" and emb.group == emb.shape[1]
+                    head = emb if same else to_quant(t, head=True)
                     model.lm_head.set_weight(head, device, dtype)
                 continue
             if short == "lm_head.weight" and spec.lm_head:
                 if not tied:
-                    model.lm_head.set_weight(to_quant(t), device, dtype)
+                    model.lm_head.set_weight(to_quant(t, head=True), device, dtype)
                 continue
             if len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in table:
                 ours, idx, count = table[parts[-2]]
@@ -195,5 +206,5 @@ def quantize_model(model, spec: QuantSpec, group: int | None = None) -> None:
         e = Int8Weight.quantize(emb)
         model.embed_tokens = QuantEmbedding(e, dtype, device)
         source = emb if head is None else head
-        qh = e if head is None and spec.format == "int8" else quantize(source, spec.format, group)
+        qh = e if head is None and spec.head_format == "int8" else quantize(source, spec.head_format, group)
         model.lm_head.set_weight(qh, device, dtype)
