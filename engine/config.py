@@ -194,7 +194,8 @@ class EngineConfig:
     quant_group_size: int | None = opt(None, "int4 group size along the input dim, 32/64/128/256 (default: 32 "
                                              "for a GGUF of Q4 blocks, else the largest of 128/64/32 dividing "
                                              "every matrix)")
-    quantize_lm_head: bool | None = opt(None, "quantize the LM head and embeddings too (default: on for int8, int8-tensor, int4; int4 keeps the head in int8)")
+    quantize_lm_head: bool | None = opt(None, "quantize the LM head and embeddings too (default: on for int8, "
+                                              "int8-tensor and int4; int4 keeps the head in int8)")
     speculative_method: str = opt("none", "speculative decoding: ngram (prompt lookup) or draft (--draft-model)",
                                   choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = opt(4, "most draft tokens per step (γ); fewer, or none, where the measured "
