@@ -208,6 +208,37 @@ inline void dot_row_int4(const uint8_t* c, const S* scale, const S* bias, const 
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
 #define PAGEDSERVE_INT4_BF16 1
 
+// x [M, K] bf16 -> xb (per 64: the 32 values at even k, then the 32 at odd k) and xsum [M, K / group] in fp32
+inline void prepare_bf16_activations(const uint16_t* x, int64_t M, int64_t K, int64_t group, uint16_t* xb,
+                                     float* xsum) {
+  alignas(64) static const uint16_t even_odd[64] = {
+      0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42,
+      44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23,
+      25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+  const __m512i ie = _mm512_load_si512(even_odd), io = _mm512_load_si512(even_odd + 32);
+  auto widen32 = [](__m512i v) __attribute__((always_inline)) {  // 32 bf16 -> the sum of two fp32 halves
+    const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+    const __m512 b =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+    return _mm512_add_ps(a, b);
+  };
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* xm = x + m * K;
+    uint16_t* dst = xb + m * K;
+    for (int64_t k = 0; k < K; k += 64) {
+      const __m512i a = _mm512_loadu_si512(xm + k), b = _mm512_loadu_si512(xm + k + 32);
+      _mm512_storeu_si512(dst + k, _mm512_permutex2var_epi16(a, ie, b));
+      _mm512_storeu_si512(dst + k + 32, _mm512_permutex2var_epi16(a, io, b));
+    }
+    for (int64_t g = 0; g < K / group; ++g) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t k = g * group; k < (g + 1) * group; k += 32)
+        sum = _mm512_add_ps(sum, widen32(_mm512_loadu_si512(xm + k)));
+      xsum[m * (K / group) + g] = _mm512_reduce_add_ps(sum);
+    }
+  }
+}
+
 // bf16: chunks of 64 codes (32 bytes); xb holds, per chunk, the 32 x at even k then the 32 at odd k. Lane l of
 // vdpbf16ps sums pair (2l, 2l + 1), i.e. k = 64j + 4l (+2): lanes 0-7 lie in the chunk's first 32 codes,
 // lanes 8-15 in its second, hence the scale vector blends the two 32-code scales.
@@ -225,7 +256,7 @@ inline void dot_row_int4_bf16(const uint8_t* c, const S* scale, const S* bias, c
   const int64_t chunks = K / 64;
   auto chunk = [&](int64_t j, int u) __attribute__((always_inline)) {
     const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j)));
-    const __m512bh lo = (__m512bh)_mm512_or_si512(_mm512_and_si512(w, nib), pattern);
+    const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(w, nib, pattern, 0xEA);  // (w & nib) | pattern
     const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 4), pattern);
     const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(cs[2 * j]), _mm512_set1_ps(cs[2 * j + 1]));
     for (int m = 0; m < MR; ++m) {
@@ -247,6 +278,28 @@ inline void dot_row_int4_bf16(const uint8_t* c, const S* scale, const S* bias, c
 }
 #endif
 
+#ifdef PAGEDSERVE_AVX512
+// x [M, K] fp32 -> xe (per 32: the 16 values at even k, then the 16 at odd k) and xsum [M, K / group]
+inline void prepare_fp32_activations(const float* x, int64_t M, int64_t K, int64_t group, float* xe, float* xsum) {
+  const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    float* dst = xe + m * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m512 a = _mm512_loadu_ps(xm + k), b = _mm512_loadu_ps(xm + k + 16);
+      _mm512_storeu_ps(dst + k, _mm512_permutex2var_ps(a, ie, b));
+      _mm512_storeu_ps(dst + k + 16, _mm512_permutex2var_ps(a, io, b));
+    }
+    for (int64_t g = 0; g < K / group; ++g) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t k = g * group; k < (g + 1) * group; k += 16) sum = _mm512_add_ps(sum, _mm512_loadu_ps(xm + k));
+      xsum[m * (K / group) + g] = _mm512_reduce_add_ps(sum);
+    }
+  }
+}
+#endif
+
 template <typename T, typename S>
 void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S* scale, const S* bias,
                       int64_t N, int64_t G, T* out) {
@@ -258,6 +311,16 @@ void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, co
   // x reordered to the codes' nibble order (fp32 per 32, or bf16 bits per 64), and its per-group sums
   std::vector<float> xe(use_bf16 ? 0 : M * K), xsum(M * G, 0.f);
   std::vector<uint16_t> xb(use_bf16 ? M * K : 0);
+#ifdef PAGEDSERVE_INT4_BF16
+  if (use_bf16) {  // vectorised: one even/odd word permute per 64, the group sums from the widened halves
+    prepare_bf16_activations(reinterpret_cast<const uint16_t*>(x), M, K, group, xb.data(), xsum.data());
+  } else
+#endif
+#ifdef PAGEDSERVE_AVX512
+  if constexpr (std::is_same_v<T, float>) {  // vectorised: one even/odd permute per 32 (the scalar loop cost
+    prepare_fp32_activations(x, M, K, group, xe.data(), xsum.data());  // as much as a small matrix's codes)
+  } else
+#endif
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
       float sum = 0.f;
