@@ -42,23 +42,37 @@ def cpu_flags() -> str:
     return f"{model}; {' '.join(keep)}"
 
 
-def measure(model: str | None, fmt: str, dtype: str, prompt: list[int], decode_steps: int,
-            batch_prompts: list[list[int]], batch_tokens: int) -> dict:
-    llm = LLM(model, quantization=fmt, dtype=dtype, memory_gib=0.5, enable_prefix_caching=False)
-    eng = llm.engine
-    sizes = weight_bytes_by_format(eng.runner.model)
-    times = common.decode_times(eng, prompt, decode_steps)
+def measure(model: str | None, formats: list[str], dtype: str, prompt: list[int], decode_steps: int,
+            batch_prompts: list[list[int]], batch_tokens: int, rounds: int) -> list[dict]:
+    """Every format of one dtype loaded side by side and timed in interleaved rounds (TPOT and batch); each
+    figure is the median over rounds, so the VM's drift (10-30 % over minutes here) hits all formats alike."""
+    llms = {fmt: LLM(model, quantization=fmt, dtype=dtype, memory_gib=0.5, enable_prefix_caching=False)
+            for fmt in formats}
     params = SamplingParams(max_tokens=batch_tokens, temperature=0, ignore_eos=True)
-    llm.generate(batch_prompts[:4], params)  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(batch_prompts, params)
-    wall = time.perf_counter() - t0
-    n_out = sum(len(o.token_ids) for o in outs)
-    return {"format": fmt, "dtype": str(eng.dtype).removeprefix("torch."), "weight_mib": sum(sizes.values()) / 2**20,
-            "weight_mib_by_format": {k: v / 2**20 for k, v in sizes.items()},
-            "tpot_ms_median": statistics.median(times) * 1e3, "tpot_ms_min": min(times) * 1e3,
-            "batch_requests": len(batch_prompts), "batch_output_tokens": n_out, "batch_wall_s": wall,
-            "batch_tok_s": n_out / wall}
+    tpot: dict[str, list[float]] = {fmt: [] for fmt in formats}
+    tok_s: dict[str, list[float]] = {fmt: [] for fmt in formats}
+    n_out = {}
+    for llm in llms.values():
+        llm.generate(batch_prompts[:4], params)  # warm-up
+    for _ in range(rounds):
+        for fmt, llm in llms.items():
+            tpot[fmt].append(statistics.median(common.decode_times(llm.engine, prompt, decode_steps)))
+            t0 = time.perf_counter()
+            outs = llm.generate(batch_prompts, params)
+            wall = time.perf_counter() - t0
+            n_out[fmt] = sum(len(o.token_ids) for o in outs)
+            tok_s[fmt].append(n_out[fmt] / wall)
+    rows = []
+    for fmt, llm in llms.items():
+        sizes = weight_bytes_by_format(llm.engine.runner.model)
+        rows.append({"format": fmt, "dtype": str(llm.engine.dtype).removeprefix("torch."),
+                     "weight_mib": sum(sizes.values()) / 2**20,
+                     "weight_mib_by_format": {k: v / 2**20 for k, v in sizes.items()},
+                     "tpot_ms_median": statistics.median(tpot[fmt]) * 1e3,
+                     "tpot_ms_rounds": [t * 1e3 for t in tpot[fmt]],
+                     "batch_requests": len(batch_prompts), "batch_output_tokens": n_out[fmt],
+                     "batch_tok_s": statistics.median(tok_s[fmt]), "batch_tok_s_rounds": tok_s[fmt]})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -67,6 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--formats", default="none,int8,int4,nf4")
     ap.add_argument("--dtypes", default="auto,float32")
     ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3; --quick: 1)")
     args = ap.parse_args(argv)
     result = common.setup(args)
     result["cpu"] = cpu_flags()
@@ -77,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
         if name not in dtypes:
             dtypes.append(name)
     steps, out_tokens, n_req = (8, 8, 8) if args.quick else (64, 64, args.requests)
+    rounds = args.rounds or (1 if args.quick else 3)
     loaded_tok = common.text_tokenizer()
     book = list(loaded_tok.encode(" ".join(__import__("benchmarks.workloads", fromlist=["x"]).load_words()[:20000]),
                                   add_special_tokens=False))
@@ -85,13 +101,14 @@ def main(argv: list[str] | None = None) -> dict:
     batch_prompts = [book[1000 + 300 * i:1000 + 300 * i + n] for i, n in enumerate(lens)]
     print(f"CPU: {result['cpu']}\nload average (1 min) at start: {os.getloadavg()[0]:.2f}; "
           f"torch threads {torch.get_num_threads()}\nsingle stream: 64-token prompt, {steps} decode steps; "
-          f"batch: {n_req} requests x {out_tokens} output tokens (prompts 64-255 tokens), submitted at once")
+          f"batch: {n_req} requests x {out_tokens} output tokens (prompts 64-255 tokens), submitted at once; "
+          f"median of {rounds} interleaved rounds")
     rows = []
     for dtype in dtypes:
-        for fmt in formats:
-            r = measure(args.model, fmt, dtype, prompt, steps, batch_prompts, out_tokens)
+        for r in measure(args.model, formats, dtype, prompt, steps, batch_prompts, out_tokens, rounds):
             rows.append(r)
-            print(f"  {dtype} {fmt}: TPOT {r['tpot_ms_median']:.1f} ms, {r['batch_tok_s']:.0f} tok/s", flush=True)
+            print(f"  {dtype} {r['format']}: TPOT {r['tpot_ms_median']:.1f} ms (rounds "
+                  f"{', '.join(f'{t:.1f}' for t in r['tpot_ms_rounds'])}), {r['batch_tok_s']:.0f} tok/s", flush=True)
     base = {r["dtype"]: r for r in rows if r["format"] == "none"}
     table = []
     for r in rows:
