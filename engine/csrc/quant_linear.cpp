@@ -33,6 +33,36 @@ constexpr int64_t MAX_GROUPS = 1024;  // int4 32-code chunks per row: K up to 32
 
 using pagedserve::widen;
 
+#ifdef PAGEDSERVE_AVX512
+// U independent accumulators per activation row (chunk j adds into column j % U): with one, the FMA latency
+// chain bound M = 1 to a third of the memory bandwidth. sb takes the row's bias terms.
+template <int MR>
+struct RowAccumulators {
+  static constexpr int U = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+  __m512 s[MR][U], sb[MR];
+  RowAccumulators() {
+    for (int m = 0; m < MR; ++m) {
+      for (int u = 0; u < U; ++u) s[m][u] = _mm512_setzero_ps();
+      sb[m] = _mm512_setzero_ps();
+    }
+  }
+  template <typename Chunk>
+  inline void run(int64_t chunks, Chunk&& chunk) {  // chunk(j, u)
+    int64_t j = 0;
+    for (; j + U <= chunks; j += U)
+      for (int u = 0; u < U; ++u) chunk(j + u, u);
+    for (; j < chunks; ++j) chunk(j, 0);
+  }
+  inline void finish(float* acc) const {  // acc[m] = the sum of row m's lanes
+    for (int m = 0; m < MR; ++m) {
+      __m512 t = sb[m];
+      for (int u = 0; u < U; ++u) t = _mm512_add_ps(t, s[m][u]);
+      acc[m] = _mm512_reduce_add_ps(t);
+    }
+  }
+};
+#endif
+
 // dot products of one int8 weight row with MR fp32 activation rows (each K long). One weight row at a
 // time: tiles of several rows (reusing each activation load) measured ~2x slower at M = 1 on Zen 4, whose
 // prefetcher streams one row well.
@@ -40,23 +70,14 @@ template <int MR>
 inline void dot_row(const int8_t* w, const float* x, int64_t K, float* acc) {
   int64_t k = 0;
 #ifdef PAGEDSERVE_AVX512
-  constexpr int U = MR == 1 ? 4 : MR == 2 ? 2 : 1;  // independent accumulators: FMA latency off the critical path
-  __m512 s[MR][U];
-  for (int m = 0; m < MR; ++m)
-    for (int u = 0; u < U; ++u) s[m][u] = _mm512_setzero_ps();
-  auto step = [&](int64_t k, int u) __attribute__((always_inline)) {
+  RowAccumulators<MR> r;
+  r.run(K / 16, [&](int64_t j, int u) __attribute__((always_inline)) {
     const __m512 wf =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k))));
-    for (int m = 0; m < MR; ++m) s[m][u] = _mm512_fmadd_ps(wf, _mm512_loadu_ps(x + m * K + k), s[m][u]);
-  };
-  for (; k + 16 * U <= K; k += 16 * U)
-    for (int u = 0; u < U; ++u) step(k + 16 * u, u);
-  for (; k + 16 <= K; k += 16) step(k, 0);
-  for (int m = 0; m < MR; ++m) {
-    __m512 t = s[m][0];
-    for (int u = 1; u < U; ++u) t = _mm512_add_ps(t, s[m][u]);
-    acc[m] = _mm512_reduce_add_ps(t);
-  }
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * j))));
+    for (int m = 0; m < MR; ++m) r.s[m][u] = _mm512_fmadd_ps(wf, _mm512_loadu_ps(x + m * K + 16 * j), r.s[m][u]);
+  });
+  r.finish(acc);
+  k = K / 16 * 16;
 #else
   for (int m = 0; m < MR; ++m) acc[m] = 0.f;
 #endif
@@ -125,9 +146,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // mantissa bits), then vdpbf16ps does 32 multiply-adds per instruction; the 128 is taken back through the
 // bias term, sum_g (bias_g - 128 scale_g) * sum x. Either way several accumulators per activation row keep
 // the FMA latency chain off the critical path: with one, M = 1 ran at a third of the memory bandwidth.
-template <int MR>
-constexpr int accumulators() { return MR == 1 ? 4 : MR == 2 ? 2 : 1; }
-
 #ifdef PAGEDSERVE_AVX512
 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 inline __m512 load16(const at::Half* p, __mmask16 mask) {
@@ -156,13 +174,8 @@ inline const float* row_prologue(const S* scale, const S* bias, float offset, co
 template <int MR, typename S>
 inline void dot_row_int4(const uint8_t* c, const S* scale, const S* bias, const float* xe, const float* xsum,
                          int64_t K, int64_t G, float* buf, float* acc) {
-  constexpr int U = accumulators<MR>();
-  __m512 s[MR][U], sb[MR];
-  for (int m = 0; m < MR; ++m) {
-    for (int u = 0; u < U; ++u) s[m][u] = _mm512_setzero_ps();
-    sb[m] = _mm512_setzero_ps();
-  }
-  const float* cs = row_prologue<MR>(scale, bias, 0.f, xsum, G, K / 32 / G, buf, buf + MAX_GROUPS, sb);
+  RowAccumulators<MR> r;
+  const float* cs = row_prologue<MR>(scale, bias, 0.f, xsum, G, K / 32 / G, buf, buf + MAX_GROUPS, r.sb);
   const __m512i low = _mm512_set1_epi32(15);
   const int64_t chunks = K / 32;
   auto chunk = [&](int64_t j, int u) __attribute__((always_inline)) {
@@ -173,18 +186,11 @@ inline void dot_row_int4(const uint8_t* c, const S* scale, const S* bias, const 
     for (int m = 0; m < MR; ++m) {
       const float* x = xe + m * K + 32 * j;
       const __m512 t = _mm512_fmadd_ps(odd, _mm512_loadu_ps(x + 16), _mm512_mul_ps(even, _mm512_loadu_ps(x)));
-      s[m][u] = _mm512_fmadd_ps(t, sc, s[m][u]);
+      r.s[m][u] = _mm512_fmadd_ps(t, sc, r.s[m][u]);
     }
   };
-  int64_t j = 0;
-  for (; j + U <= chunks; j += U)
-    for (int u = 0; u < U; ++u) chunk(j + u, u);
-  for (; j < chunks; ++j) chunk(j, 0);
-  for (int m = 0; m < MR; ++m) {
-    __m512 t = sb[m];
-    for (int u = 0; u < U; ++u) t = _mm512_add_ps(t, s[m][u]);
-    acc[m] = _mm512_reduce_add_ps(t);
-  }
+  r.run(chunks, chunk);
+  r.finish(acc);
 }
 #else
 template <int MR, typename S>
@@ -245,13 +251,8 @@ inline void prepare_bf16_activations(const uint16_t* x, int64_t M, int64_t K, in
 template <int MR, typename S>
 inline void dot_row_int4_bf16(const uint8_t* c, const S* scale, const S* bias, const uint16_t* xb,
                               const float* xsum, int64_t K, int64_t G, float* buf, float* acc) {
-  constexpr int U = accumulators<MR>();
-  __m512 s[MR][U], sb[MR];
-  for (int m = 0; m < MR; ++m) {
-    for (int u = 0; u < U; ++u) s[m][u] = _mm512_setzero_ps();
-    sb[m] = _mm512_setzero_ps();
-  }
-  const float* cs = row_prologue<MR>(scale, bias, 128.f, xsum, G, K / 32 / G, buf, buf + MAX_GROUPS, sb);
+  RowAccumulators<MR> r;
+  const float* cs = row_prologue<MR>(scale, bias, 128.f, xsum, G, K / 32 / G, buf, buf + MAX_GROUPS, r.sb);
   const __m512i nib = _mm512_set1_epi16(15), pattern = _mm512_set1_epi16(0x4300);  // bf16(128) = 0x4300
   const int64_t chunks = K / 64;
   auto chunk = [&](int64_t j, int u) __attribute__((always_inline)) {
@@ -263,18 +264,11 @@ inline void dot_row_int4_bf16(const uint8_t* c, const S* scale, const S* bias, c
       const uint16_t* x = xb + m * K + 64 * j;
       __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, (__m512bh)_mm512_loadu_si512(x));
       t = _mm512_dpbf16_ps(t, hi, (__m512bh)_mm512_loadu_si512(x + 32));
-      s[m][u] = _mm512_fmadd_ps(t, sc, s[m][u]);
+      r.s[m][u] = _mm512_fmadd_ps(t, sc, r.s[m][u]);
     }
   };
-  int64_t j = 0;
-  for (; j + U <= chunks; j += U)
-    for (int u = 0; u < U; ++u) chunk(j + u, u);
-  for (; j < chunks; ++j) chunk(j, 0);
-  for (int m = 0; m < MR; ++m) {
-    __m512 t = sb[m];
-    for (int u = 0; u < U; ++u) t = _mm512_add_ps(t, s[m][u]);
-    acc[m] = _mm512_reduce_add_ps(t);
-  }
+  r.run(chunks, chunk);
+  r.finish(acc);
 }
 #endif
 
@@ -479,7 +473,8 @@ void widen_int8_rows(const int8_t* src, int64_t n, T* dst) {
 #ifdef PAGEDSERVE_AVX512
     if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, float>) {
       for (; i + 16 <= b; i += 16) {
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+        const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
         if constexpr (std::is_same_v<T, float>) {
           _mm512_storeu_ps(dst + i, f);
         } else {
