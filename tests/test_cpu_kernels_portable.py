@@ -1,0 +1,72 @@
+"""The C++ kernels built for other CPUs than this one: AVX-512 without AVX512-BF16 (the machines where fp32 is the
+fast dtype) and AVX2 only. Each `#ifdef` path is then compiled and run here, against the same references as the
+native build's tests. A subprocess per target: the ops register under one name per process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHECK = r"""
+import sys
+from engine import cpu_kernels
+cpu_kernels.CFLAGS = [f"-march={sys.argv[1]}" if f.startswith("-march") else f for f in cpu_kernels.CFLAGS]
+assert cpu_kernels.load(), "the kernels did not build"
+import torch
+import torch.nn.functional as F
+from engine.quant.formats import quantize
+torch.manual_seed(0)
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+    for fmt, (n, k), group in (("int8", (100, 100), 32), ("int8", (960, 576), 32), ("int4", (100, 1152), 32),
+                               ("int4", (960, 576), 64), ("int4", (576, 1536), 128)):
+        qw = quantize(torch.randn(n, k) * 0.02, fmt, group)
+        ref = qw.dequantize()
+        qw.prepare(torch.device("cpu"), dtype)
+        t = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[getattr(qw, "kernel_dtype", None) or dtype]
+        for m in (1, 2, 3, 4, 5, 33):
+            x = torch.randn(m, k).to(dtype)
+            got, want = qw.matmul(x).float(), x.float() @ ref.t()
+            rel = ((got - want).norm() / want.norm()).item()
+            assert rel < 2 * t, (fmt, dtype, n, k, m, rel)
+    x = torch.randn(5, 3072).to(dtype)
+    g, u = x.float().chunk(2, -1)
+    want = (F.silu(g).to(dtype).float() * u).to(dtype)
+    assert torch.allclose(torch.ops.pagedserve.silu_and_mul(x).float(), want.float(), rtol=tol, atol=tol)
+    # one decode row per sequence, 9 query heads over 3 KV heads, K/V scattered over shuffled blocks
+    bs, lens = 16, [37, 130]
+    kc, vc = torch.randn(2, 24, bs, 3, 64).to(dtype).unbind(0)
+    tables = torch.randperm(24)[:18].view(2, 9).int()
+    q = torch.randn(2, 9, 64).to(dtype)
+    out = torch.ops.pagedserve.paged_attention(q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32),
+                                               torch.tensor([0, 1, 2], dtype=torch.int32), 0.125, 16, 2)
+    for b, n in enumerate(lens):
+        kk = kc[tables[b].long()].reshape(-1, 3, 64)[:n].float().repeat_interleave(3, 1)
+        vv = vc[tables[b].long()].reshape(-1, 3, 64)[:n].float().repeat_interleave(3, 1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), kk) * 0.125, -1)
+        assert torch.allclose(out[b].float(), torch.einsum("hn,nhd->hd", p, vv), rtol=tol, atol=tol), (dtype, b)
+print("ok")
+"""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return set()
+
+
+@pytest.mark.parametrize("arch,needs", [("skylake-avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+                                        ("x86-64-v3", {"avx2", "fma", "f16c"})])
+def test_kernels_built_for_other_cpus(tmp_path, arch, needs):
+    if os.uname().machine != "x86_64" or not needs <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run code built for {arch}")
+    env = dict(os.environ, PAGEDSERVE_CACHE_DIR=str(tmp_path), PYTHONPATH=REPO)
+    r = subprocess.run([sys.executable, "-c", CHECK, arch], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
