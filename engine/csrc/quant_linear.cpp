@@ -318,13 +318,9 @@ void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, co
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
       float sum = 0.f;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) {  // fp32 layout: the bf16 one is vectorised above
         const float v = widen(x[m * K + k]);
-        if (use_bf16) {
-          std::memcpy(&xb[m * K + (k & ~int64_t(63)) + (k & 1) * 32 + (k & 63) / 2], &x[m * K + k], 2);
-        } else {
-          xe[m * K + (k & ~int64_t(31)) + (k & 1) * 16 + (k & 31) / 2] = v;
-        }
+        xe[m * K + (k & ~int64_t(31)) + (k & 1) * 16 + (k & 31) / 2] = v;
         sum += v;
       }
       xsum[m * G + g] = sum;
@@ -425,27 +421,6 @@ void dequant_rows_int4(const uint8_t* codes, const S* scale, const S* bias, int6
   });
 }
 
-// out = x @ W^T, one tile of W's rows at a time (filled by fill(n0, n1, tile)), computed transposed:
-// out^T[n0:n1] = tile @ x^T. The tile is then oneDNN's left operand, which it reads as it is, where as the right
-// operand of linear(x, tile) every fresh tile was reordered first (1.7-9x slower at M = 64); and out^T's rows
-// n0:n1 are contiguous, so each product lands in place. `finish` turns out^T into out (transpose_scaled).
-template <typename Fill, typename Finish>
-at::Tensor tiled_gemm(const at::Tensor& x, int64_t N, Fill fill, Finish finish) {
-  const int64_t K = x.size(1);
-  const int64_t TN = std::max<int64_t>(64, ((TILE_KIB << 10) / (K * x.element_size())) / 16 * 16);
-  auto out_t = at::empty({N, x.size(0)}, x.options());
-  auto tile = at::empty({std::min(TN, N), K}, x.options());
-  const auto xt = x.t();
-  for (int64_t n0 = 0; n0 < N; n0 += TN) {
-    const int64_t n1 = std::min(N, n0 + TN);
-    auto t = tile.narrow(0, 0, n1 - n0);
-    fill(n0, n1, t);
-    auto dst = out_t.narrow(0, n0, n1 - n0);
-    at::mm_out(dst, t, xt);
-  }
-  return finish(out_t);
-}
-
 // out[m, n] = out_t[n, m] * scale[n] (scale may be null): the transpose back and the row scales in one pass,
 // in 16 x 16 blocks so both sides stay in cache
 template <typename T>
@@ -460,6 +435,31 @@ at::Tensor transpose_scaled(const at::Tensor& out_t, const float* scale) {
         const float sc = scale ? scale[n] : 1.f;
         for (int64_t m = m0; m < std::min(M, m0 + 16); ++m) store(widen(src[n * M + m]) * sc, dst + m * N + n);
       }
+  });
+  return out;
+}
+
+// out = x @ W^T, one tile of W's rows at a time (filled by fill(n0, n1, tile)), computed transposed:
+// out^T[n0:n1] = tile @ x^T. The tile is then oneDNN's left operand, which it reads as it is, where as the right
+// operand of linear(x, tile) every fresh tile was reordered first (1.7-9x slower at M = 64); and out^T's rows
+// n0:n1 are contiguous, so each product lands in place. row_scale (or null): multiplies out's columns.
+template <typename Fill>
+at::Tensor tiled_gemm(const at::Tensor& x, int64_t N, Fill fill, const float* row_scale) {
+  const int64_t K = x.size(1);
+  const int64_t TN = std::max<int64_t>(64, ((TILE_KIB << 10) / (K * x.element_size())) / 16 * 16);
+  auto out_t = at::empty({N, x.size(0)}, x.options());
+  auto tile = at::empty({std::min(TN, N), K}, x.options());
+  const auto xt = x.t();
+  for (int64_t n0 = 0; n0 < N; n0 += TN) {
+    const int64_t n1 = std::min(N, n0 + TN);
+    auto t = tile.narrow(0, 0, n1 - n0);
+    fill(n0, n1, t);
+    auto dst = out_t.narrow(0, n0, n1 - n0);
+    at::mm_out(dst, t, xt);
+  }
+  at::Tensor out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "tiled_gemm", [&] {
+    out = transpose_scaled<scalar_t>(out_t, row_scale);  // fp32 product, rounded once
   });
   return out;
 }
@@ -495,8 +495,8 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const auto xc = x.contiguous();
   const auto wc = w.contiguous();
   const auto sc = scale.contiguous();
-  // The tile holds the codes themselves (exact in any float dtype; torch's vectorised int8 -> float copy) and
-  // the row scales multiply the output columns afterwards: cheaper than scaling every weight.
+  // The tile holds the codes themselves (exact in any float dtype) and the row scales multiply the output
+  // columns afterwards: cheaper than scaling every weight.
   return tiled_gemm(
       xc, w.size(0),
       [&](int64_t n0, int64_t n1, at::Tensor& t) {
@@ -505,13 +505,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
                                     t.data_ptr<scalar_t>());
         });
       },
-      [&](const at::Tensor& out_t) {
-        at::Tensor out;
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_gemm", [&] {
-          out = transpose_scaled<scalar_t>(out_t, sc.data_ptr<float>());  // fp32 product, rounded once
-        });
-        return out;
-      });
+      sc.data_ptr<float>());
 }
 
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias) {
@@ -534,13 +528,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                                            n0, n1, t.data_ptr<scalar_t>());
       }
     });
-  }, [&](const at::Tensor& out_t) {
-    at::Tensor out;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int4_gemm", [&] {
-      out = transpose_scaled<scalar_t>(out_t, nullptr);
-    });
-    return out;
-  });
+  }, nullptr);
 }
 
 }  // namespace

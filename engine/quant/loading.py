@@ -144,7 +144,7 @@ def load(model, weights: Iterable[tuple[str, torch.Tensor | GGUFBlocks]], spec: 
     pending: dict[str, list] = {}
     stats = {"direct": 0, "quantized": 0}
 
-    head_spec = QuantSpec(spec.head_format, spec.group_size, spec.quantize_lm_head)
+    head_spec = QuantSpec(spec.head_format, spec.group_size)
 
     def to_quant(t, embedding: bool = False, head: bool = False) -> QuantWeight:
         qw = quantize_tensor(t, head_spec if head else spec, group, embedding)
