@@ -28,21 +28,26 @@ def pytorch_path(monkeypatch):
     return use
 
 
+# (hidden, intermediate, head dim): a toy shape whose rows are shorter than a vector, and SmolLM2's, whose
+# loops run on full AVX-512 vectors; 300 rows spread over the threads
+@pytest.mark.parametrize("shape", [(96, 160, 16), (576, 1536, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 40])
-def test_norm_rope_mlp_layer_match(dtype, rows, pytorch_path):
+@pytest.mark.parametrize("rows", [1, 5, 40, 300])
+def test_norm_rope_mlp_layer_match(dtype, rows, shape, pytorch_path):
     torch.manual_seed(0)
-    cfg = llama.ModelConfig(architecture="llama", vocab_size=64, hidden_size=96, intermediate_size=160, num_layers=1,
-                            num_heads=6, num_kv_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5)
+    hidden, inter, hd = shape
+    cfg = llama.ModelConfig(architecture="llama", vocab_size=64, hidden_size=hidden, intermediate_size=inter,
+                            num_layers=1, num_heads=hidden // hd, num_kv_heads=hidden // hd // 3, head_dim=hd,
+                            max_position_embeddings=512, rms_norm_eps=1e-5)
     layer = llama.DecoderLayer(cfg).to(dtype)
     for p in layer.parameters():
         p.data.normal_(0, 0.2)
-    rope = llama.RotaryEmbedding(cfg, 128)
+    rope = llama.RotaryEmbedding(cfg, 512)
     cos, sin = rope(torch.arange(3, 3 + rows), dtype)
-    x = torch.randn(rows, 96).to(dtype)
-    qkv = torch.randn(rows, 10, 16).to(dtype)
-    gate_up = torch.randn(rows, 320).to(dtype)
-    h, a = torch.randn(rows, 96).to(dtype), torch.randn(rows, 96).to(dtype)
+    x = torch.randn(rows, hidden).to(dtype)
+    qkv = torch.randn(rows, 10, hd).to(dtype)
+    gate_up = torch.randn(rows, 2 * inter).to(dtype)
+    h, a = torch.randn(rows, hidden).to(dtype), torch.randn(rows, hidden).to(dtype)
     norm = layer.post_attention_layernorm
 
     fused = {"norm": norm(x), "rope": llama.apply_rope(qkv.clone()[:, :8], cos, sin).clone(),

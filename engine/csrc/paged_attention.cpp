@@ -35,6 +35,9 @@ struct Tile {
   int64_t seq, row0, rows, ctx, seq_len;  // query rows [row0, row0 + rows) of seq; first at position ctx
 };
 
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 6
+#endif
 constexpr int64_t ROWS = 4;  // query rows scored together: four independent FMA chains per key vector
 
 // s[r * s_stride + j] = q_r . k_j for the ROWS query rows (fp32, pre-scaled) and n keys (rows of D floats).
@@ -141,10 +144,12 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
       for (int64_t start = lo; start < hi; start += BS) {
         const int64_t n = std::min(BS, hi - start);
         const int64_t base = table[start / BS] * cache_stride_block + h * D;
-        if (start + BS < hi) {
-          // The next block sits anywhere in the pool, so the hardware prefetcher cannot guess it: without
-          // this a B = 64 decode ran at a tenth of the memory bandwidth, waiting on each block in turn.
-          const int64_t next_base = table[start / BS + 1] * cache_stride_block + h * D;
+        // The blocks sit anywhere in the pool, so the hardware prefetcher cannot guess them: without this a
+        // B = 64 decode ran at a tenth of the memory bandwidth, waiting on each block in turn. One block
+        // ahead was not enough in a pool of real size (2.5x slower than a cache-resident one).
+        for (int64_t ahead = start == lo ? 1 : PREFETCH_BLOCKS; ahead <= PREFETCH_BLOCKS; ++ahead) {
+          if (start + ahead * BS >= hi) break;
+          const int64_t next_base = table[start / BS + ahead] * cache_stride_block + h * D;
           for (int64_t j = 0; j < BS; ++j)
             for (int64_t off = 0; off < D; off += 64 / static_cast<int64_t>(sizeof(T))) {
               __builtin_prefetch(k_cache + next_base + j * cache_stride_slot + off);

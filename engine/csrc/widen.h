@@ -1,5 +1,6 @@
 // Shared by the CPU kernels: widening a stored element to fp32 (bf16 by a shift, fp16 by F16C where the
-// CPU has it: c10's portable conversion is ~20 instructions), and an exp that vectorises.
+// CPU has it: c10's portable conversion is ~20 instructions), narrowing it back in arithmetic that
+// vectorises, and an exp that vectorises.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -25,6 +26,32 @@ inline float widen(at::BFloat16 x) {
 inline float widen(at::Half x) { return _cvtsh_ss(x.x); }
 #else
 inline float widen(at::Half x) { return static_cast<float>(x); }
+#endif
+
+// fp32 -> T, rounding to nearest even like c10's conversions. c10::BFloat16(float) branches on NaN, which kept
+// every loop that stored bf16 scalar (RoPE over a 2,048-token chunk: 2.7 ms); this is a select instead.
+template <typename T>
+inline T narrow(float v) {
+  return static_cast<T>(v);
+}
+template <>
+inline at::BFloat16 narrow<at::BFloat16>(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  const uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  const uint32_t nan = (b >> 16) | 0x40u;  // quiet, sign kept
+  const uint32_t is_nan = 0u - static_cast<uint32_t>((b & 0x7fffffffu) > 0x7f800000u);  // all ones or zero
+  at::BFloat16 out;
+  out.x = static_cast<uint16_t>((nan & is_nan) | (rounded & ~is_nan));
+  return out;
+}
+#ifdef __F16C__
+template <>
+inline at::Half narrow<at::Half>(float v) {
+  at::Half out;
+  out.x = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+  return out;
+}
 #endif
 
 // exp(x) for x <= 0 in plain arithmetic, so loops over it vectorise (std::exp does not): 2^x = 2^i * 2^f,
