@@ -4,7 +4,8 @@
 // [query_start_loc[b], query_start_loc[b+1]) at positions ctx .. seq_len-1 (ctx = seq_len - q_len) and
 // attends causally over keys 0 .. its own position. Work items are (sequence, KV head, query tile,
 // KV split): the GROUP query heads that share a KV head are done together, so each K/V row is read
-// (and, for bf16, widened to fp32) once per tile, not once per query head. Items are handed out through
+// (and, for bf16, widened to fp32) once per tile, not once per query head. bf16 decodes (at most 4 rows an
+// item) skip the widening on CPUs with AVX512-BF16: block_bf16 multiplies the cache's bf16 rows directly. Items are handed out through
 // an atomic counter because causal tiles and varlen sequences differ in cost. Splits of one
 // (sequence, head, tile) write unnormalised partials (acc, max, sum) that a second pass merges, so a
 // long context still spreads over all threads at batch 1.
@@ -35,10 +36,8 @@ struct Tile {
   int64_t seq, row0, rows, ctx, seq_len;  // query rows [row0, row0 + rows) of seq; first at position ctx
 };
 
-#ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 6
-#endif
 constexpr int64_t ROWS = 4;  // query rows scored together: four independent FMA chains per key vector
+constexpr int64_t PREFETCH_BLOCKS = 6;  // how far ahead a work item prefetches its blocks (into L2)
 
 // s[r * s_stride + j] = q_r . k_j for the ROWS query rows (fp32, pre-scaled) and n keys (rows of D floats).
 // Each key row is loaded once for all rows; one horizontal sum per score (vectorised auto-reductions
@@ -103,6 +102,105 @@ inline void pv_rows(float* acc, const float* p, int64_t p_stride, const float* a
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define PAGEDSERVE_ATTN_BF16 1
+// bf16 K/V with at most ROWS query rows (a decode with GQA group <= 4): products straight from the cache's bf16
+// rows with vdpbf16ps, nothing widened into buffers. Scores: per query row, one accumulator per key of a
+// 16-key chunk, then a transpose-reduce (45 shuffles and adds for 16 scores, where a horizontal sum per
+// score took ~8). P V: P rounded to bf16 (as PyTorch's CPU flash attention does for bf16), key pairs
+// interleaved word by word so each vdpbf16ps adds two keys' weighted rows; the accumulators hold the
+// head dims in the order unpacklo/hi_epi16 leave them (bf16_dim_slot maps them back).
+
+// lane j of the result = the sum of a[j]'s lanes
+inline __m512 reduce16(__m512* a) {
+  __m512 c[8], e[4], f[2];
+  for (int i = 0; i < 8; ++i)
+    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    e[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    f[i] = _mm512_add_ps(_mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(f[0], f[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(f[0], f[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// where head dim d sits in a row of the bf16 path's accumulators (per 32 dims: the unpacklo lanes, then unpackhi)
+inline int64_t bf16_dim_slot(int64_t d) {
+  const int64_t c = d / 32, x = d % 32;
+  return 32 * c + (x % 8 >= 4 ? 16 : 0) + 4 * (x / 8) + x % 4;
+}
+
+// Keys [start, start + n) of one block (n <= 16), at k / v with row stride `stride`, for query rows
+// [0, rows) of the item (qb: bf16, unscaled, D apart); row r is query token r / group at position
+// ctx + r / group. Updates the online-softmax state m, l and the permuted accumulators acc (D apart).
+inline void block_bf16(const uint16_t* qb, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n,
+                       int64_t start, int64_t ctx, int64_t rows, int64_t group, int64_t D, float scale, float* m,
+                       float* l, float* acc) {
+  alignas(64) uint16_t pb[ROWS][16];
+  float alpha[ROWS];
+  int64_t max_visible = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t visible = std::min(n, ctx + r / group + 1 - start);
+    alpha[r] = 1.f;
+    std::memset(pb[r], 0, sizeof pb[r]);
+    if (visible <= 0) continue;
+    max_visible = std::max(max_visible, visible);
+    __m512 a[16];
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + r * D + d);
+      for (int j = 0; j < 16; ++j)  // keys past `visible` are never loaded: their slots may hold anything
+        if (j < visible) a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(k + j * stride + d), qv);
+    }
+    const __mmask16 live = static_cast<__mmask16>((1u << visible) - 1);
+    const __m512 sc = _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
+    const float mx = std::max(m[r], _mm512_mask_reduce_max_ps(live, sc));
+    alignas(64) float p[16];
+    _mm512_store_ps(p, _mm512_maskz_mov_ps(live, _mm512_sub_ps(sc, _mm512_set1_ps(mx))));
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < 16; ++j) {
+      p[j] = j < visible ? fast_exp(p[j]) : 0.f;
+      sum += p[j];
+    }
+    alpha[r] = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : fast_exp(m[r] - mx);
+    l[r] = l[r] * alpha[r] + sum;
+    m[r] = mx;
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p)));
+  }
+  if (max_visible == 0) return;
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 4 accumulators per row: 64 dims
+    __m512 o[ROWS][4];
+    for (int64_t r = 0; r < rows; ++r)
+      for (int c = 0; c < 4; ++c)
+        o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d0 + 16 * c), _mm512_set1_ps(alpha[r]));
+    for (int64_t j = 0; j < max_visible; j += 2) {
+      const bool pair = j + 1 < max_visible;
+      __m512i lo[2], hi[2];
+      for (int c = 0; c < 2; ++c) {
+        const __m512i a = _mm512_loadu_si512(v + j * stride + d0 + 32 * c);
+        const __m512i b = pair ? _mm512_loadu_si512(v + (j + 1) * stride + d0 + 32 * c) : _mm512_setzero_si512();
+        lo[c] = _mm512_unpacklo_epi16(a, b);
+        hi[c] = _mm512_unpackhi_epi16(a, b);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        int32_t w;
+        std::memcpy(&w, pb[r] + j, sizeof w);  // (p_j, p_j+1); p_j+1 is 0 past the end
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(w);
+        for (int c = 0; c < 2; ++c) {
+          o[r][2 * c] = _mm512_dpbf16_ps(o[r][2 * c], (__m512bh)lo[c], pp);
+          o[r][2 * c + 1] = _mm512_dpbf16_ps(o[r][2 * c + 1], (__m512bh)hi[c], pp);
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + r * D + d0 + 16 * c, o[r][c]);
+  }
+}
+#endif
+
 template <typename T>
 void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_cache, const T* v_cache,
                int64_t cache_stride_block, int64_t cache_stride_slot, const int32_t* block_tables,
@@ -116,6 +214,7 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
     // rows of one item: query tokens x heads of the group, padded to a multiple of ROWS
     const int64_t R = (max_rows * group + ROWS - 1) / ROWS * ROWS;
     std::vector<float> qf(R * D), acc(R * D), m(R), l(R), s(ROWS * BS), kt(D * BS), kf(BS * D), vf(BS * D);
+    std::vector<uint16_t> qb(ROWS * D);
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
       const int64_t split = item % splits;
       const int64_t h = (item / splits) % num_kv_heads;
@@ -140,22 +239,43 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
         for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]) * scale;
       }
       std::fill(acc.begin(), acc.begin() + padded * D, 0.f);
+      bool fast = false;  // the bf16 path above: few rows, head dims in 64s
+#ifdef PAGEDSERVE_ATTN_BF16
+      if constexpr (std::is_same<T, at::BFloat16>::value) {
+        fast = padded <= ROWS && D % 64 == 0 && D <= 512;
+        for (int64_t r = 0; fast && r < rows; ++r)
+          std::memcpy(qb.data() + r * D, q + (t.row0 + r / group) * q_stride_t + (h * group + r % group) * q_stride_h,
+                      D * sizeof(uint16_t));
+      }
+#endif
       const int32_t* table = block_tables + t.seq * table_stride;
       for (int64_t start = lo; start < hi; start += BS) {
         const int64_t n = std::min(BS, hi - start);
         const int64_t base = table[start / BS] * cache_stride_block + h * D;
         // The blocks sit anywhere in the pool, so the hardware prefetcher cannot guess them: without this a
-        // B = 64 decode ran at a tenth of the memory bandwidth, waiting on each block in turn. One block
-        // ahead was not enough in a pool of real size (2.5x slower than a cache-resident one).
+        // B = 64 decode ran at a tenth of the memory bandwidth, waiting on each block in turn. In a pool of
+        // real size (the engine's, GBs) one block ahead into L1 left it 2.5x slower than a cache-resident one;
+        // six ahead into L2 (locality 1) measured best of 1-12 x L1/L2/L3 (B = 64, ~180 tokens, Zen 4).
         for (int64_t ahead = start == lo ? 1 : PREFETCH_BLOCKS; ahead <= PREFETCH_BLOCKS; ++ahead) {
           if (start + ahead * BS >= hi) break;
           const int64_t next_base = table[start / BS + ahead] * cache_stride_block + h * D;
           for (int64_t j = 0; j < BS; ++j)
             for (int64_t off = 0; off < D; off += 64 / static_cast<int64_t>(sizeof(T))) {
-              __builtin_prefetch(k_cache + next_base + j * cache_stride_slot + off);
-              __builtin_prefetch(v_cache + next_base + j * cache_stride_slot + off);
+              __builtin_prefetch(k_cache + next_base + j * cache_stride_slot + off, 0, 1);
+              __builtin_prefetch(v_cache + next_base + j * cache_stride_slot + off, 0, 1);
             }
         }
+#ifdef PAGEDSERVE_ATTN_BF16
+        if (fast) {
+          const auto* kb = reinterpret_cast<const uint16_t*>(k_cache + base);
+          const auto* vb = reinterpret_cast<const uint16_t*>(v_cache + base);
+          for (int64_t j = 0; j < n && t.ctx + (rows - 1) / group + 1 - (start + j) > 0; j += 16)
+            block_bf16(qb.data(), kb + j * cache_stride_slot, vb + j * cache_stride_slot, cache_stride_slot,
+                       std::min<int64_t>(16, n - j), start + j, t.ctx, rows, group, D, scale, m.data(), l.data(),
+                       acc.data());
+          continue;
+        }
+#endif
         // bf16/fp16 K/V rows are widened into small contiguous fp32 buffers; fp32 ones are read in place.
         // Many rows (extend, prefill): K transposed to [D, n] so scores run along the keys, no horizontal
         // sums. Four rows or fewer (a decode with GQA group <= 4): the transpose would cost more than it
@@ -238,7 +358,14 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t tok = t.row0 + r / group, head = h * group + r % group;
-        const float* ar = acc.data() + r * D;
+        float* ar = acc.data() + r * D;
+#ifdef PAGEDSERVE_ATTN_BF16
+        if (fast) {  // back to dimension order
+          float tmp[512];
+          for (int64_t d = 0; d < D; ++d) tmp[d] = ar[bf16_dim_slot(d)];
+          std::memcpy(ar, tmp, D * sizeof(float));
+        }
+#endif
         if (splits == 1) {
           T* o = out + (tok * num_kv_heads * group + head) * D;
           const float inv = 1.f / l[r];
