@@ -6,7 +6,7 @@ HF runs fixed batches, by default sorted by output length (the strongest static 
 as long as its longest member), at each of --hf-dtypes; the faster is the baseline.
 
     flock /tmp/pagedserve-bench.lock python benchmarks/offline_throughput.py [--hf-dtypes float32,bfloat16] \
-        [--hf-batch-size 16] [--dtype auto] [--json out.json]
+        [--hf-batch-size 16] [--dtype auto] [--rounds 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from engine.config import bundled_model_path  # noqa: E402
 def run_pagedserve(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> dict:
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4, temperature=0.0)] * 2)  # warm-up
+    llm.engine.scheduler.block_manager.reset_prefix_cache()  # every round prefills every prompt
     steps0 = llm.engine.scheduler.stats.num_preemptions
     t0 = time.perf_counter()
     results = llm.generate(prompts, params)
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of every engine; medians reported")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
 
@@ -90,12 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [llm.engine.tokenize(r.prompt) for r in reqs]
     max_tokens = [r.max_tokens for r in reqs]
     dtype = llm.engine.dtype
-    ours = run_pagedserve(llm, prompts, max_tokens)
-    ours["attention_backend"] = llm.engine.runner.backend.name
-    print(llm.engine.cost_model.describe())
-    del llm
-
-    hf, hf_runs = None, {}
+    hf_models = {}
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -104,10 +101,27 @@ def main(argv: list[str] | None = None) -> dict:
         folder = os.path.dirname(path) if path.endswith(".gguf") else path
         tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
         for name in args.hf_dtypes.split(","):
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, name), **kw).eval()
-            hf_runs[name] = run_hf(model, tokenizer, prompts, max_tokens, args.hf_batch_size,
-                                   args.hf_order == "sorted")
-            del model
+            hf_models[name] = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, name), **kw).eval()
+    # Rounds alternate the engines, so the machine's drift (10-30 % within minutes on shared VMs) hits both
+    # sides alike; each side's median round is reported.
+    our_rounds, hf_rounds = [], {name: [] for name in hf_models}
+    for _ in range(args.rounds):
+        our_rounds.append(run_pagedserve(llm, prompts, max_tokens))
+        for name, model in hf_models.items():
+            hf_rounds[name].append(run_hf(model, tokenizer, prompts, max_tokens, args.hf_batch_size,
+                                          args.hf_order == "sorted"))
+
+    def median(runs: list[dict]) -> dict:
+        run = sorted(runs, key=lambda r: r["output_tok_s"])[(len(runs) - 1) // 2]
+        return dict(run, rounds_tok_s=[r["output_tok_s"] for r in runs])
+
+    ours = median(our_rounds)
+    ours["attention_backend"] = llm.engine.runner.backend.name
+    print(llm.engine.cost_model.describe())
+    del llm, hf_models
+
+    hf, hf_runs = None, {name: median(runs) for name, runs in hf_rounds.items()}
+    if hf_runs:
         best = max(hf_runs, key=lambda n: hf_runs[n]["output_tok_s"])
         hf = dict(hf_runs[best], dtype=best)
 
@@ -118,13 +132,17 @@ def main(argv: list[str] | None = None) -> dict:
           f"threads {torch.get_num_threads()}")
     print(f"{'engine':<34}{'wall s':>9}{'out tok':>9}{'out tok/s':>11}")
     label = f"pagedserve ({str(dtype).removeprefix('torch.')}, {ours['attention_backend']})"
-    print(f"{label:<34}{ours['wall_s']:>9.2f}{ours['output_tokens']:>9}{ours['output_tok_s']:>11.1f}")
+
+    def rounds(run: dict) -> str:
+        return "" if len(run["rounds_tok_s"]) == 1 else "  rounds " + ", ".join(f"{x:.1f}" for x in run["rounds_tok_s"])
+
+    print(f"{label:<34}{ours['wall_s']:>9.2f}{ours['output_tokens']:>9}{ours['output_tok_s']:>11.1f}{rounds(ours)}")
     result = {"workload": {"num_requests": len(reqs), "prompt_tokens": prompt_tokens,
                            "output_tokens": sum(max_tokens), "dtype": str(dtype)}, "pagedserve": ours}
     if hf:
         for name, run in hf_runs.items():
             label = f"HF generate ({name}, static {args.hf_order} b{args.hf_batch_size})"
-            print(f"{label:<34}{run['wall_s']:>9.2f}{run['output_tokens']:>9}{run['output_tok_s']:>11.1f}")
+            print(f"{label:<34}{run['wall_s']:>9.2f}{run['output_tokens']:>9}{run['output_tok_s']:>11.1f}{rounds(run)}")
         result["hf"] = hf
         result["hf_runs"] = hf_runs
         result["ratio"] = ours["output_tok_s"] / hf["output_tok_s"]
