@@ -128,3 +128,22 @@ def test_time_budget_keeps_the_scheduler_invariants(ops, num_blocks, block_size,
         assert q.is_finished
         if q.seq_id not in aborted and q.status is SequenceStatus.FINISHED_LENGTH:
             assert q.num_output_tokens == q.max_tokens
+
+
+def test_offline_llm_turns_the_step_time_target_off(monkeypatch):
+    """LLM.generate returns everything at the end: no stream to protect, so no step-time target unless asked."""
+    from engine import llm_engine
+
+    seen = []
+
+    class Engine:
+        tokenizer = None
+
+        def __init__(self, config):
+            seen.append(config)
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", Engine)
+    llm_engine.LLM()
+    llm_engine.LLM(max_step_ms=None)
+    llm_engine.LLM(max_step_ms=50.0)
+    assert [c.scheduler.max_step_ms for c in seen] == [0, 0, 50.0]
