@@ -12,6 +12,7 @@ fails the engine uses the PyTorch reference instead.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -19,16 +20,26 @@ import torch
 from engine import cpu_kernels
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_paged import _store, attend_chunks
+from engine.cpu_dtype import read_cpu_flags
 
 # Sequences with at most this many new tokens go through the kernel; longer chunks are compute-bound,
-# where oneDNN's SDPA (AMX/AVX-512 GEMM tiles) is several times faster than the kernel (measured with
+# where oneDNN's SDPA (AMX/AVX-512 GEMM tiles) is several times faster than the fp32 kernel (measured with
 # benchmarks/kernels/bench_cpu_attention.py) and their one gather of the context is cheap in comparison.
+# bf16 on a CPU with AVX512-BF16 but no AMX is the exception: the kernel's vdpbf16ps path beat SDPA at every
+# chunk length measured (64-512 tokens, 1.3-2.3x on Zen 4), so there every sequence goes through the kernel.
+# (With AMX, SDPA's tiles are the ones measured faster.)
 MAX_KERNEL_QUERY_LEN = 16
 # A query tile of this many tokens (x the GQA group) shares each K/V row it reads
 QUERY_TILE = 16
 # Never split a context into pieces shorter than this: merging partials is not free
 MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 16
+
+
+@functools.cache
+def _bf16_without_amx() -> bool:
+    flags = read_cpu_flags() or frozenset()
+    return "avx512_bf16" in flags and "amx_bf16" not in flags
 
 
 def load_kernel():
@@ -62,22 +73,28 @@ class CpuPagedAttention(AttentionBackend):
 
     name = "cpu"
 
-    def __init__(self, kernel=None, max_kernel_query_len: int = MAX_KERNEL_QUERY_LEN) -> None:
+    def __init__(self, kernel=None, max_kernel_query_len: int | None = None) -> None:
         self.kernel = kernel if kernel is not None else load_kernel()
         if self.kernel is None:
             raise RuntimeError("the CPU paged-attention kernel is not available")
-        self.max_kernel_query_len = max_kernel_query_len
+        self.max_kernel_query_len = max_kernel_query_len  # None: by dtype and CPU (see MAX_KERNEL_QUERY_LEN)
         self._plan: _StepPlan | None = None
 
-    def _plan_for(self, meta: AttentionMetadata, num_kv_heads: int) -> _StepPlan:
+    def _kernel_query_limit(self, dtype: torch.dtype) -> int:
+        if self.max_kernel_query_len is not None:
+            return self.max_kernel_query_len
+        return 1 << 62 if dtype == torch.bfloat16 and _bf16_without_amx() else MAX_KERNEL_QUERY_LEN
+
+    def _plan_for(self, meta: AttentionMetadata, num_kv_heads: int, dtype: torch.dtype) -> _StepPlan:
         if self._plan is not None and self._plan.meta is meta:
             return self._plan
+        limit = self._kernel_query_limit(dtype)
         slots, keep = meta.slot_mapping, None
         if bool((slots < 0).any()):
             keep = slots >= 0
             slots = slots[keep]
         lens = meta.query_lens_cpu
-        n = next((b for b, q_len in enumerate(lens) if q_len > self.max_kernel_query_len), len(lens))
+        n = next((b for b, q_len in enumerate(lens) if q_len > limit), len(lens))
         rows = sum(lens[:n])
         items = sum(-(-q_len // QUERY_TILE) for q_len in lens[:n]) * num_kv_heads
         splits = num_splits(items, max(meta.seq_lens_cpu[:n], default=0), torch.get_num_threads())
@@ -86,7 +103,7 @@ class CpuPagedAttention(AttentionBackend):
         return self._plan
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        plan = self._plan_for(meta, k_cache.shape[2])
+        plan = self._plan_for(meta, k_cache.shape[2], q.dtype)
         if plan.keep is None:
             _store(k, v, k_cache, v_cache, plan.slots)
         else:

@@ -133,16 +133,17 @@ inline int64_t bf16_dim_slot(int64_t d) {
 }
 
 // Keys [start, start + n) of one block (n <= 16), at k / v with row stride `stride`, for query rows
-// [0, rows) of the item (qb: bf16, unscaled, D apart); row r is query token r / group at position
-// ctx + r / group. Updates the online-softmax state m, l and the permuted accumulators acc (D apart).
+// row0 .. row0 + rows of the item (rows <= ROWS; qb, m, l, acc point at row0's: bf16 unscaled q, D apart);
+// row r is query token r / group at position ctx + r / group. Updates the online-softmax state m, l and the
+// permuted accumulators acc (D apart).
 inline void block_bf16(const uint16_t* qb, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n,
-                       int64_t start, int64_t ctx, int64_t rows, int64_t group, int64_t D, float scale, float* m,
-                       float* l, float* acc) {
+                       int64_t start, int64_t ctx, int64_t row0, int64_t rows, int64_t group, int64_t D, float scale,
+                       float* m, float* l, float* acc) {
   alignas(64) uint16_t pb[ROWS][16];
   float alpha[ROWS];
   int64_t max_visible = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t visible = std::min(n, ctx + r / group + 1 - start);
+    const int64_t visible = std::min(n, ctx + (row0 + r) / group + 1 - start);
     alpha[r] = 1.f;
     std::memset(pb[r], 0, sizeof pb[r]);
     if (visible <= 0) continue;
@@ -214,7 +215,7 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
     // rows of one item: query tokens x heads of the group, padded to a multiple of ROWS
     const int64_t R = (max_rows * group + ROWS - 1) / ROWS * ROWS;
     std::vector<float> qf(R * D), acc(R * D), m(R), l(R), s(ROWS * BS), kt(D * BS), kf(BS * D), vf(BS * D);
-    std::vector<uint16_t> qb(ROWS * D);
+    std::vector<uint16_t> qb(R * D);
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
       const int64_t split = item % splits;
       const int64_t h = (item / splits) % num_kv_heads;
@@ -242,7 +243,7 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
       bool fast = false;  // the bf16 path above: few rows, head dims in 64s
 #ifdef PAGEDSERVE_ATTN_BF16
       if constexpr (std::is_same<T, at::BFloat16>::value) {
-        fast = padded <= ROWS && D % 64 == 0 && D <= 512;
+        fast = D % 64 == 0 && D <= 512;
         for (int64_t r = 0; fast && r < rows; ++r)
           std::memcpy(qb.data() + r * D, q + (t.row0 + r / group) * q_stride_t + (h * group + r % group) * q_stride_h,
                       D * sizeof(uint16_t));
@@ -269,10 +270,13 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
         if (fast) {
           const auto* kb = reinterpret_cast<const uint16_t*>(k_cache + base);
           const auto* vb = reinterpret_cast<const uint16_t*>(v_cache + base);
-          for (int64_t j = 0; j < n && t.ctx + (rows - 1) / group + 1 - (start + j) > 0; j += 16)
-            block_bf16(qb.data(), kb + j * cache_stride_slot, vb + j * cache_stride_slot, cache_stride_slot,
-                       std::min<int64_t>(16, n - j), start + j, t.ctx, rows, group, D, scale, m.data(), l.data(),
-                       acc.data());
+          for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+            const int64_t here = std::min(ROWS, rows - r0);
+            for (int64_t j = 0; j < n && t.ctx + (r0 + here - 1) / group + 1 - (start + j) > 0; j += 16)
+              block_bf16(qb.data() + r0 * D, kb + j * cache_stride_slot, vb + j * cache_stride_slot,
+                         cache_stride_slot, std::min<int64_t>(16, n - j), start + j, t.ctx, r0, here, group, D,
+                         scale, m.data() + r0, l.data() + r0, acc.data() + r0 * D);
+          }
           continue;
         }
 #endif
