@@ -4,8 +4,8 @@
 // [query_start_loc[b], query_start_loc[b+1]) at positions ctx .. seq_len-1 (ctx = seq_len - q_len) and
 // attends causally over keys 0 .. its own position. Work items are (sequence, KV head, query tile,
 // KV split): the GROUP query heads that share a KV head are done together, so each K/V row is read
-// (and, for bf16, widened to fp32) once per tile, not once per query head. bf16 decodes (at most 4 rows an
-// item) skip the widening on CPUs with AVX512-BF16: block_bf16 multiplies the cache's bf16 rows directly. Items are handed out through
+// (and, for bf16, widened to fp32) once per tile, not once per query head. On CPUs with AVX512-BF16, bf16
+// skips the widening: block_bf16 multiplies the cache's bf16 rows directly. Items are handed out through
 // an atomic counter because causal tiles and varlen sequences differ in cost. Splits of one
 // (sequence, head, tile) write unnormalised partials (acc, max, sum) that a second pass merges, so a
 // long context still spreads over all threads at batch 1.
@@ -104,10 +104,9 @@ inline void pv_rows(float* acc, const float* p, int64_t p_stride, const float* a
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PAGEDSERVE_ATTN_BF16 1
-// bf16 K/V with at most ROWS query rows (a decode with GQA group <= 4): products straight from the cache's bf16
-// rows with vdpbf16ps, nothing widened into buffers. Scores: per query row, one accumulator per key of a
-// 16-key chunk, then a transpose-reduce (45 shuffles and adds for 16 scores, where a horizontal sum per
-// score took ~8). P V: P rounded to bf16 (as PyTorch's CPU flash attention does for bf16), key pairs
+// bf16 K/V, ROWS query rows at a time: products straight from the cache's bf16 rows with vdpbf16ps, nothing
+// widened into buffers. Scores: per query row, one accumulator per key of a 16-key chunk, then a
+// transpose-reduce (45 shuffles and adds for 16 scores, where a horizontal sum per score took ~8). P V: P rounded to bf16 (as PyTorch's CPU flash attention does for bf16), key pairs
 // interleaved word by word so each vdpbf16ps adds two keys' weighted rows; the accumulators hold the
 // head dims in the order unpacklo/hi_epi16 leave them (bf16_dim_slot maps them back).
 
@@ -240,7 +239,7 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
         for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]) * scale;
       }
       std::fill(acc.begin(), acc.begin() + padded * D, 0.f);
-      bool fast = false;  // the bf16 path above: few rows, head dims in 64s
+      bool fast = false;  // the bf16 path above: head dims in 64s
 #ifdef PAGEDSERVE_ATTN_BF16
       if constexpr (std::is_same<T, at::BFloat16>::value) {
         fast = D % 64 == 0 && D <= 512;
