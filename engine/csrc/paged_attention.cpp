@@ -227,27 +227,26 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
       const int64_t per_split = (blocks + splits - 1) / splits;
       const int64_t lo = split * per_split * BS;
       const int64_t hi = std::min(last_pos, (split + 1) * per_split * BS);
+      bool fast = false;  // the bf16 path above: head dims in 64s; it reads q as bf16, unscaled (qb)
+#ifdef PAGEDSERVE_ATTN_BF16
+      if constexpr (std::is_same<T, at::BFloat16>::value) fast = D % 64 == 0 && D <= 512;
+#endif
       for (int64_t r = 0; r < padded; ++r) {  // r = token * group + g
-        float* dst = qf.data() + r * D;
         m[r] = -std::numeric_limits<float>::infinity();
         l[r] = 0.f;
+        const T* src = q + (t.row0 + r / group) * q_stride_t + (h * group + r % group) * q_stride_h;
+        if (fast) {
+          if (r < rows) std::memcpy(qb.data() + r * D, src, D * sizeof(uint16_t));
+          continue;
+        }
+        float* dst = qf.data() + r * D;
         if (r >= rows) {
           std::fill(dst, dst + D, 0.f);
           continue;
         }
-        const T* src = q + (t.row0 + r / group) * q_stride_t + (h * group + r % group) * q_stride_h;
         for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]) * scale;
       }
       std::fill(acc.begin(), acc.begin() + padded * D, 0.f);
-      bool fast = false;  // the bf16 path above: head dims in 64s
-#ifdef PAGEDSERVE_ATTN_BF16
-      if constexpr (std::is_same<T, at::BFloat16>::value) {
-        fast = D % 64 == 0 && D <= 512;
-        for (int64_t r = 0; fast && r < rows; ++r)
-          std::memcpy(qb.data() + r * D, q + (t.row0 + r / group) * q_stride_t + (h * group + r % group) * q_stride_h,
-                      D * sizeof(uint16_t));
-      }
-#endif
       const int32_t* table = block_tables + t.seq * table_stride;
       for (int64_t start = lo; start < hi; start += BS) {
         const int64_t n = std::min(BS, hi - start);

@@ -31,6 +31,7 @@ constexpr int64_t BN = 16;  // output rows per work block
 constexpr int64_t TILE_KIB = 2048;  // dequantized tile for the many-row GEMM: L2/L3-resident
 constexpr int64_t MAX_GROUPS = 1024;  // int4 32-code chunks per row: K up to 32768
 
+using pagedserve::narrow;
 using pagedserve::widen;
 
 #ifdef PAGEDSERVE_AVX512
@@ -391,14 +392,6 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 // ---- many rows: dequantize a tile of output features into a cache-sized buffer, GEMM, next tile -----------
 // Converting the whole matrix first writes and re-reads twice its int8 bytes (four times in fp32); a tile
 // of ~256 KiB stays in cache between the conversion and the GEMM, so DRAM sees only the int8/int4 bytes.
-inline void store(float v, float* o) { *o = v; }
-inline void store(float v, double* o) { *o = v; }
-inline void store(float v, at::BFloat16* o) {  // round to nearest even, in integer ops the compiler vectorises
-  uint32_t b;
-  std::memcpy(&b, &v, sizeof b);
-  o->x = static_cast<uint16_t>((b + 0x7fff + ((b >> 16) & 1)) >> 16);
-}
-inline void store(float v, at::Half* o) { *o = static_cast<at::Half>(v); }
 
 template <typename T, typename S>
 void dequant_rows_int4(const uint8_t* codes, const S* scale, const S* bias, int64_t K, int64_t G, int64_t n0,
@@ -413,8 +406,8 @@ void dequant_rows_int4(const uint8_t* codes, const S* scale, const S* bias, int6
 #pragma omp simd
         for (int64_t i = 0; i < group / 2; ++i) {
           const uint8_t byte = c[g * group / 2 + i];
-          store(static_cast<float>(byte & 15) * sc + bi, o + g * group + 2 * i);
-          store(static_cast<float>(byte >> 4) * sc + bi, o + g * group + 2 * i + 1);
+          o[g * group + 2 * i] = narrow<T>(static_cast<float>(byte & 15) * sc + bi);
+          o[g * group + 2 * i + 1] = narrow<T>(static_cast<float>(byte >> 4) * sc + bi);
         }
       }
     }
@@ -433,7 +426,7 @@ at::Tensor transpose_scaled(const at::Tensor& out_t, const float* scale) {
     for (int64_t m0 = 0; m0 < M; m0 += 16)
       for (int64_t n = b0 * 16; n < std::min(N, b1 * 16); ++n) {
         const float sc = scale ? scale[n] : 1.f;
-        for (int64_t m = m0; m < std::min(M, m0 + 16); ++m) store(widen(src[n * M + m]) * sc, dst + m * N + n);
+        for (int64_t m = m0; m < std::min(M, m0 + 16); ++m) dst[m * N + n] = narrow<T>(widen(src[n * M + m]) * sc);
       }
   });
   return out;
