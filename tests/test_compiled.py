@@ -18,9 +18,10 @@ from engine.config import ModelConfig, cpu_has_fast_bf16
 from engine.model_runner import _HostBatch
 from engine.models.llama import LlamaModel
 
-# Logits of the compiled forward vs eager, same batch: fp32 differs only by reordered sums (measured 3e-4 on
-# SmolLM2's ~±20 logits); bf16 by rounding at different points, a few bf16 ulps of the logit scale.
-FP32_ATOL = 1e-3
+# Logits of the compiled forward vs eager, same batch: fp32 differs only by reordered sums, whose size depends
+# on the vector width inductor and oneDNN sum in (on SmolLM2's ~±20 logits: 3e-4 with AVX-512 on Zen 4, 1.1e-3
+# with AVX2 on Zen 3); bf16 by rounding at different points, a few bf16 ulps of the logit scale.
+FP32_ATOL = 2e-3
 BF16_ATOL = 0.25
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
