@@ -3,7 +3,7 @@
 Compiled on first use with g++ -march=native (torch's cpp_extension + ninja) into a persistent cache
 directory keyed by the sources, torch version, flags and CPU model, so later starts load it at once.
 If the build fails, `load()` logs a warning and returns False, and each caller keeps its PyTorch path.
-Ops registered (torch.ops.pagedserve.*): paged_attention; int8_linear, int4_linear, int8_gemm, int4_gemm;
+Ops registered (torch.ops.pagedserve.*): paged_attention; dense_linear; int8_linear, int4_linear, int8_gemm, int4_gemm;
 rms_norm, add_rms_norm, rope_, silu_and_mul.
 """
 

@@ -41,12 +41,20 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
+# Up to this many rows our GEMV (engine/csrc/dense_linear.cpp) beats both oneDNN paths, in fp32 and bf16
+# (benchmarks/kernels/bench_dense_linear.py: 0.45-0.72x at M = 1-2 on Zen 4; 0.65-1.25x at M = 4)
+DENSE_GEMV_MAX_M = 2
+
+
 class Linear(nn.Linear):
-    """nn.Linear that can swap its weight for a oneDNN-prepacked copy (bf16 on CPU: ~1.4x faster)."""
+    """nn.Linear with two CPU fast paths: our GEMV for a row or two (it reads the plain row-major weight) and a
+    oneDNN-prepacked copy for more rows (bf16 on CPU: ~1.4x faster than the plain weight)."""
 
     packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= DENSE_GEMV_MAX_M and self.weight.numel() and fused_ops(x):
+            return torch.ops.pagedserve.dense_linear(x, self.weight, self.bias)
         if self.packed is not None:
             if torch.compiler.is_compiling():  # an opaque op: inductor cannot lower it with the weight as an input
                 return packed_linear(x, self.packed, self.bias)
@@ -55,7 +63,7 @@ class Linear(nn.Linear):
 
     def pack(self, keep_weight: bool = False) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-        if not keep_weight:  # the packed copy is all forward needs
+        if not keep_weight:  # without the plain copy every row count takes the packed path
             self.weight.data = self.weight.data.new_empty(0)
 
 
@@ -241,11 +249,13 @@ class LlamaModel(nn.Module):
         """fp32 logits for the rows that sample (norm and LM head only where needed)."""
         return self.lm_head(self.norm(hidden)).float()
 
-    def pack_weights(self) -> None:
-        """Prepack every projection for oneDNN where that is faster (bf16 on a CPU with AMX/AVX512-BF16)."""
+    def pack_weights(self, keep_plain: bool = False) -> None:
+        """Prepack every projection for oneDNN where that is faster (bf16 on a CPU with AMX/AVX512-BF16).
+        keep_plain: keep the row-major weights too, for the GEMV at one or two rows (twice the bytes); the tied
+        LM head keeps its plain weight anyway, since it is the embedding's."""
         for m in self.modules():
             if isinstance(m, Linear):
-                m.pack(keep_weight=m is self.lm_head and self.config.tie_word_embeddings)
+                m.pack(keep_weight=keep_plain or (m is self.lm_head and self.config.tie_word_embeddings))
 
     # ---- weights ---------------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,0 +1,64 @@
+"""Our dense GEMV (engine/csrc/dense_linear.cpp) against F.linear in fp32, and the Linear module's routing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import engine.models.llama as llama
+from engine import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels did not build")
+# relative error of the whole output against an fp32 reference: fp32 differs by summation order only; bf16 and
+# fp16 round the output once (2^-9 and 2^-12 relative at most), plus the fp32 sums
+TOL = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float16: 1e-3}
+
+
+# K below one vector, not a multiple of any vector width, SmolLM2's hidden and intermediate, and a long row
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(7, 5), (33, 100), (960, 576), (576, 1536), (40, 4099)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_linear_matches_fp32_reference(dtype, n, k, m, bias):
+    gen = torch.Generator().manual_seed(n * 1000 + k + m)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    got = torch.ops.pagedserve.dense_linear(x, w, b)
+    assert got.dtype == dtype and got.shape == (m, n)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    rel = ((got.float() - want).norm() / want.norm()).item()
+    assert rel < TOL[dtype], rel
+
+
+def test_dense_linear_rejects_mismatched_inputs():
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.ops.pagedserve.dense_linear(torch.randn(1, 16).bfloat16(), w, None)
+    with pytest.raises(RuntimeError, match="x \\[M, K\\]"):
+        torch.ops.pagedserve.dense_linear(torch.randn(1, 15), w, None)
+    with pytest.raises(RuntimeError, match="fp32, bf16 or fp16"):
+        torch.ops.pagedserve.dense_linear(torch.randn(1, 16).double(), w.double(), None)
+
+
+@pytest.mark.parametrize("dtype,keep_plain", [(torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_linear_routes_by_row_count(dtype, keep_plain, monkeypatch):
+    """One or two rows take the GEMV where the plain weight is kept; more rows, or a dropped plain weight, take
+    the packed/F.linear path; the result agrees either way."""
+    torch.manual_seed(0)
+    lin = llama.Linear(576, 960, bias=True).to(dtype)
+    ref = lin.weight.detach().float().clone(), lin.bias.detach().float().clone()
+    if dtype == torch.bfloat16:  # fp32 weights stay plain, unpacked
+        lin.pack(keep_weight=keep_plain)
+    calls = []
+    real = torch.ops.pagedserve.dense_linear
+    monkeypatch.setattr(llama.torch.ops.pagedserve, "dense_linear", lambda *a: calls.append(a) or real(*a),
+                        raising=False)
+    for m in (1, 2, 3, 64):
+        x = torch.randn(m, 576).to(dtype)
+        got = lin(x).float()
+        want = F.linear(x.float(), *ref)
+        assert ((got - want).norm() / want.norm()).item() < TOL[dtype]
+        assert bool(calls) == (m <= llama.DENSE_GEMV_MAX_M and keep_plain), (m, len(calls))
+        calls.clear()
