@@ -18,7 +18,7 @@
 
 #include "widen.h"
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -79,10 +79,35 @@ inline void dot_row(const int8_t* w, const float* x, int64_t K, float* acc) {
   });
   r.finish(acc);
   k = K / 16 * 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+  // 8 codes a vector, U accumulators as above (scalar code here ran at ~2 GB/s, 4x slower than fp32 F.linear)
+  constexpr int U = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+  __m256 s[MR][U];
+  for (int m = 0; m < MR; ++m)
+    for (int u = 0; u < U; ++u) s[m][u] = _mm256_setzero_ps();
+  auto widen8 = [](const int8_t* p) __attribute__((always_inline)) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  };
+  for (; k + 8 * U <= K; k += 8 * U)
+    for (int u = 0; u < U; ++u) {
+      const __m256 wf = widen8(w + k + 8 * u);
+      for (int m = 0; m < MR; ++m) s[m][u] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(x + m * K + k + 8 * u), s[m][u]);
+    }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 wf = widen8(w + k);
+    for (int m = 0; m < MR; ++m) s[m][0] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(x + m * K + k), s[m][0]);
+  }
+  for (int m = 0; m < MR; ++m) {
+    __m256 t = s[m][0];
+    for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, s[m][u]);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    acc[m] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  }
 #else
   for (int m = 0; m < MR; ++m) acc[m] = 0.f;
 #endif
-  for (; k < K; ++k) {  // the tail, or everything where AVX-512 is missing (the compiler vectorises it)
+  for (; k < K; ++k) {  // the tail, or everything without AVX-512 / AVX2 (the compiler vectorises what it can)
     const float wk = static_cast<float>(w[k]);
     for (int m = 0; m < MR; ++m) acc[m] += wk * x[m * K + k];
   }
@@ -192,6 +217,49 @@ inline void dot_row_int4(const uint8_t* c, const S* scale, const S* bias, const 
   };
   r.run(chunks, chunk);
   r.finish(acc);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2: the same chunks of 32 codes, as four 8-lane vectors (low nibbles of bytes 0-7 and 8-15, then the high ones:
+// xe's order per 32 is the 16 even k, then the 16 odd k); the short per-row bias term stays scalar
+template <int MR, typename S>
+inline void dot_row_int4(const uint8_t* c, const S* scale, const S* bias, const float* xe, const float* xsum,
+                         int64_t K, int64_t G, float*, float* acc) {
+  const int64_t per = K / 32 / G;
+  constexpr int U = MR == 1 ? 2 : 1;
+  __m256 s[MR][U];
+  for (int m = 0; m < MR; ++m)
+    for (int u = 0; u < U; ++u) s[m][u] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi32(15);
+  auto chunk = [&](int64_t j, int u) __attribute__((always_inline)) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j));
+    const __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+    const __m256 e0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));
+    const __m256 e1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));
+    const __m256 o0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+    const __m256 o1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+    const __m256 sc = _mm256_set1_ps(widen(scale[j / per]));
+    for (int m = 0; m < MR; ++m) {
+      const float* x = xe + m * K + 32 * j;
+      __m256 t = _mm256_mul_ps(e0, _mm256_loadu_ps(x));
+      t = _mm256_fmadd_ps(e1, _mm256_loadu_ps(x + 8), t);
+      t = _mm256_fmadd_ps(o0, _mm256_loadu_ps(x + 16), t);
+      t = _mm256_fmadd_ps(o1, _mm256_loadu_ps(x + 24), t);
+      s[m][u] = _mm256_fmadd_ps(t, sc, s[m][u]);
+    }
+  };
+  const int64_t chunks = K / 32;
+  int64_t j = 0;
+  for (; j + U <= chunks; j += U)
+    for (int u = 0; u < U; ++u) chunk(j + u, u);
+  for (; j < chunks; ++j) chunk(j, 0);
+  for (int m = 0; m < MR; ++m) {
+    __m256 t = s[m][0];
+    for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, s[m][u]);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    acc[m] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    for (int64_t g = 0; g < G; ++g) acc[m] += widen(bias[g]) * xsum[m * G + g];
+  }
 }
 #else
 template <int MR, typename S>
