@@ -51,11 +51,7 @@ constexpr int64_t V = 8;
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline float vsum(vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+inline float vsum(vec a) { return pagedserve::hsum(a); }
 inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vec vload(const at::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

@@ -100,9 +100,7 @@ inline void dot_row(const int8_t* w, const float* x, int64_t K, float* acc) {
   for (int m = 0; m < MR; ++m) {
     __m256 t = s[m][0];
     for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, s[m][u]);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    acc[m] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    acc[m] = pagedserve::hsum(t);
   }
 #else
   for (int m = 0; m < MR; ++m) acc[m] = 0.f;
@@ -255,9 +253,7 @@ inline void dot_row_int4(const uint8_t* c, const S* scale, const S* bias, const 
   for (int m = 0; m < MR; ++m) {
     __m256 t = s[m][0];
     for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, s[m][u]);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    acc[m] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    acc[m] = pagedserve::hsum(t);
     for (int64_t g = 0; g < G; ++g) acc[m] += widen(bias[g]) * xsum[m * G + g];
   }
 }

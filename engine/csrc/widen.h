@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -51,6 +51,15 @@ inline at::Half narrow<at::Half>(float v) {
   at::Half out;
   out.x = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
   return out;
+}
+#endif
+
+#ifdef __AVX2__
+// the sum of an AVX2 vector's 8 lanes (the 256-bit kernels' reduction)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #endif
 

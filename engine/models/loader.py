@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from engine import cpu_kernels
 from engine.config import ModelConfig, cpu_has_fast_bf16
 from engine.errors import ModelLoadError
 from engine.models.llama import LlamaModel, Linear
@@ -105,6 +106,8 @@ PLAIN_COPY_MEMORY_FRACTION = 0.10
 
 
 def plain_copy_fits(model: LlamaModel) -> bool:
+    if not cpu_kernels.load():  # no GEMV to read the copy
+        return False
     tied = model.lm_head if model.config.tie_word_embeddings else None  # its plain weight is the embedding's
     extra = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
                 if isinstance(m, Linear) and m is not tied)
