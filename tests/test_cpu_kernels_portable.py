@@ -22,13 +22,15 @@ import torch.nn.functional as F
 from engine.quant.formats import quantize
 torch.manual_seed(0)
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-    for fmt, (n, k), group in (("int8", (100, 100), 32), ("int8", (960, 576), 32), ("int4", (100, 1152), 32),
-                               ("int4", (960, 576), 64), ("int4", (576, 1536), 128)):
+    for fmt, (n, k), group in (("int8", (100, 100), 32), ("int8", (960, 576), 32), ("int8", (40, 8200), 32),
+                               ("int4", (100, 1152), 32), ("int4", (64, 1120), 32), ("int4", (960, 576), 64),
+                               ("int4", (576, 1536), 128)):
         qw = quantize(torch.randn(n, k) * 0.02, fmt, group)
         ref = qw.dequantize()
         qw.prepare(torch.device("cpu"), dtype)
-        t = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[getattr(qw, "kernel_dtype", None) or dtype]
         for m in (1, 2, 3, 4, 5, 33):
+            # the GEMVs (M <= 4) run on int16 codes of the activations: ~2e-5 relative in fp32 (test_quant.py)
+            t = {torch.float32: 1e-4 if m <= 4 else 1e-5, torch.bfloat16: 2e-2}[getattr(qw, "kernel_dtype", None) or dtype]
             x = torch.randn(m, k).to(dtype)
             got, want = qw.matmul(x).float(), x.float() @ ref.t()
             rel = ((got - want).norm() / want.norm()).item()

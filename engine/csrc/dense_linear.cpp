@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "widen.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -204,6 +205,12 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 }
 
 }  // namespace
+
+namespace pagedserve {
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  return ::dense_linear(x, w, bias);
+}
+}  // namespace pagedserve
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) { m.def("dense_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor"); }
 

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "ops.h"
 #include "widen.h"
 
 namespace {
@@ -159,6 +160,15 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }
 
 }  // namespace
+
+namespace pagedserve {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return ::rms_norm(x, weight, eps); }
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  return ::add_rms_norm(x, residual, weight, eps);
+}
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) { ::rope_(x, cos, sin); }
+at::Tensor silu_and_mul(const at::Tensor& x) { return ::silu_and_mul(x); }
+}  // namespace pagedserve
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -21,6 +21,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops.h"
 #include "widen.h"
 
 #ifdef __AVX512F__
@@ -462,6 +463,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   });
   return out;
 }
+
+namespace pagedserve {
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale, int64_t query_tile, int64_t splits) {
+  return ::paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, query_tile, splits);
+}
+}  // namespace pagedserve
 
 TORCH_LIBRARY(pagedserve, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "

@@ -1,21 +1,23 @@
 // y = x W^T for a few rows of x against weight-only int8 (a scale per output row) or int4 (group-wise) weights.
 //
 // At decode a step reads every weight once, so the cost is the weight bytes: this kernel streams the
-// int8 rows once per block of output features and widens them to fp32 in registers, where torch's
-// `_weight_int8pack_mm` reached about half the memory bandwidth of a bf16 GEMV on the machines we
-// measured (and is 5-10x slower still with fp32 activations). Work is split over output features;
-// within a block of BN rows (a few KiB, L1-resident) every group of up to 4 activation rows reuses the
-// weights from L1 (M = 4 costs about 2x M = 1; beyond a few rows the caller dequantizes and runs a GEMM).
-// Accumulation is fp32 whatever x's dtype; the row scale is applied once per output.
+// weight rows once per block of output features, multiplying their integer codes by int16 codes of the
+// activations (below), where torch's `_weight_int8pack_mm` reached about half the memory bandwidth of a
+// bf16 GEMV on the machines we measured (and is 5-10x slower still with fp32 activations). Work is split over
+// output features; within a block of BN rows (a few KiB, L1-resident) every group of up to 4 activation rows
+// reuses the weights from L1 (beyond a few rows the caller dequantizes and runs a GEMM).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "widen.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -34,109 +36,161 @@ constexpr int64_t MAX_GROUPS = 1024;  // int4 32-code chunks per row: K up to 32
 using pagedserve::narrow;
 using pagedserve::widen;
 
-#ifdef PAGEDSERVE_AVX512
-// U independent accumulators per activation row (chunk j adds into column j % U): with one, the FMA latency
-// chain bound M = 1 to a third of the memory bandwidth. sb takes the row's bias terms.
-template <int MR>
-struct RowAccumulators {
-  static constexpr int U = MR == 1 ? 4 : MR == 2 ? 2 : 1;
-  __m512 s[MR][U], sb[MR];
-  RowAccumulators() {
-    for (int m = 0; m < MR; ++m) {
-      for (int u = 0; u < U; ++u) s[m][u] = _mm512_setzero_ps();
-      sb[m] = _mm512_setzero_ps();
-    }
-  }
-  template <typename Chunk>
-  inline void run(int64_t chunks, Chunk&& chunk) {  // chunk(j, u)
-    int64_t j = 0;
-    for (; j + U <= chunks; j += U)
-      for (int u = 0; u < U; ++u) chunk(j + u, u);
-    for (; j < chunks; ++j) chunk(j, 0);
-  }
-  inline void finish(float* acc) const {  // acc[m] = the sum of row m's lanes
-    for (int m = 0; m < MR; ++m) {
-      __m512 t = sb[m];
-      for (int u = 0; u < U; ++u) t = _mm512_add_ps(t, s[m][u]);
-      acc[m] = _mm512_reduce_add_ps(t);
-    }
-  }
-};
-#endif
+// ---- activations as int16 codes ---------------------------------------------------------------------
+// The GEMVs multiply integer codes by integer codes: each activation row is quantized to int16 with its own
+// scale (|code| <= XQ_MAX, relative error <= 2^-16 of the row's absmax; llama.cpp uses 8 bits per 32
+// values), so one vpdpwssd (or vpmaddwd + add) does 32 multiply-adds of widened weight codes where the fp32
+// path needed a widen, a convert and an FMA per 16: the int8 GEMV went from ~15 GB/s to the memory's speed.
+// int32 lanes stay exact: each instruction adds at most 2 * 128 * 32767 < 2^23 to a lane, and every
+// accumulator is flushed to fp32 after KB codes (at most 256 additions per lane, on AVX2 too).
+constexpr float XQ_MAX = 32767.f;
+constexpr int64_t KB = 4096;
 
-// dot products of one int8 weight row with MR fp32 activation rows (each K long). One weight row at a
-// time: tiles of several rows (reusing each activation load) measured ~2x slower at M = 1 on Zen 4, whose
-// prefetcher streams one row well.
-template <int MR>
-inline void dot_row(const int8_t* w, const float* x, int64_t K, float* acc) {
-  int64_t k = 0;
-#ifdef PAGEDSERVE_AVX512
-  RowAccumulators<MR> r;
-  r.run(K / 16, [&](int64_t j, int u) __attribute__((always_inline)) {
-    const __m512 wf =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * j))));
-    for (int m = 0; m < MR; ++m) r.s[m][u] = _mm512_fmadd_ps(wf, _mm512_loadu_ps(x + m * K + 16 * j), r.s[m][u]);
-  });
-  r.finish(acc);
-  k = K / 16 * 16;
-#elif defined(__AVX2__) && defined(__FMA__)
-  // 8 codes a vector, U accumulators as above (scalar code here ran at ~2 GB/s, 4x slower than fp32 F.linear)
-  constexpr int U = MR == 1 ? 4 : MR == 2 ? 2 : 1;
-  __m256 s[MR][U];
-  for (int m = 0; m < MR; ++m)
-    for (int u = 0; u < U; ++u) s[m][u] = _mm256_setzero_ps();
-  auto widen8 = [](const int8_t* p) __attribute__((always_inline)) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  };
-  for (; k + 8 * U <= K; k += 8 * U)
-    for (int u = 0; u < U; ++u) {
-      const __m256 wf = widen8(w + k + 8 * u);
-      for (int m = 0; m < MR; ++m) s[m][u] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(x + m * K + k + 8 * u), s[m][u]);
+struct Int16Rows {
+  std::vector<int16_t> q;  // [M, Kp], zero beyond K
+  std::vector<float> scale;  // [M]: x[m, k] ~= q[m, k] * scale[m]
+  std::vector<float> xsum;  // [M, G]: the per-group sums of the codes times scale (int4's bias term), if asked
+  int64_t Kp = 0;
+  const int16_t* row(int64_t m) const { return q.data() + m * Kp; }
+};
+
+// x [M, K] -> int16 codes; pad: Kp a multiple of it; groups > 0: also the sums of x per K / groups values
+template <typename T>
+Int16Rows quantize_rows(const T* x, int64_t M, int64_t K, int64_t pad, int64_t groups) {
+  Int16Rows r;
+  r.Kp = (K + pad - 1) / pad * pad;
+  r.q.assign(M * r.Kp, 0);
+  r.scale.resize(M);
+  r.xsum.assign(groups > 0 ? M * groups : 0, 0.f);
+  std::vector<float> xf(K);
+  for (int64_t m = 0; m < M; ++m) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) {  // vectorised by the compiler (widen is a shift for bf16)
+      xf[k] = widen(x[m * K + k]);
+      amax = std::max(amax, std::abs(xf[k]));
     }
-  for (; k + 8 <= K; k += 8) {
-    const __m256 wf = widen8(w + k);
-    for (int m = 0; m < MR; ++m) s[m][0] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(x + m * K + k), s[m][0]);
-  }
-  for (int m = 0; m < MR; ++m) {
-    __m256 t = s[m][0];
-    for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, s[m][u]);
-    acc[m] = pagedserve::hsum(t);
-  }
-#else
-  for (int m = 0; m < MR; ++m) acc[m] = 0.f;
+    const float inv = amax > 0.f ? XQ_MAX / amax : 0.f;
+    r.scale[m] = amax / XQ_MAX;
+    int16_t* q = r.q.data() + m * r.Kp;
+    int64_t k = 0;
+#ifdef PAGEDSERVE_AVX512
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (; k + 16 <= K; k += 16)  // round to nearest even, as the scalar tail
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(&xf[k]), vinv))));
+#elif defined(__AVX2__)
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (; k + 16 <= K; k += 16) {
+      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(&xf[k]), vinv));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(&xf[k + 8]), vinv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+    }
 #endif
-  for (; k < K; ++k) {  // the tail, or everything without AVX-512 / AVX2 (the compiler vectorises what it can)
-    const float wk = static_cast<float>(w[k]);
-    for (int m = 0; m < MR; ++m) acc[m] += wk * x[m * K + k];
+    for (; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(xf[k] * inv));
+    if (groups > 0) {  // from the codes, not x: the bias term then cancels the codes' offset exactly
+      const int64_t group = K / groups;
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t s = 0;
+        for (int64_t i = g * group; i < (g + 1) * group; ++i) s += q[i];
+        r.xsum[m * groups + g] = static_cast<float>(s) * r.scale[m];
+      }
+    }
   }
+  return r;
 }
 
-template <int MR, typename T>
-void rows_block(const int8_t* w, const float* scale, const float* x, int64_t K, int64_t n0, int64_t n1, T* out,
-                int64_t N) {
-  float acc[MR];
-  for (int64_t n = n0; n < n1; ++n) {
-    dot_row<MR>(w + n * K, x, K, acc);
-    for (int m = 0; m < MR; ++m) out[m * N + n] = static_cast<T>(acc[m] * scale[n]);
+#ifdef __AVX512VNNI__
+#define PAGEDSERVE_DPWSSD(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define PAGEDSERVE_DPWSSD(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
+
+// ---- int8 ------------------------------------------------------------------------------------------
+// acc[m] = sum_k w[k] * xq[m][k] for one int8 weight row and MR activation rows (in codes: the caller applies
+// both scales). One weight row at a time: tiles of several rows (reusing each activation load) measured ~2x
+// slower at M = 1 on Zen 4, whose prefetcher streams one row well. U independent accumulators per activation
+// row keep the multiply-add latency off the critical path at M = 1.
+template <int MR>
+inline void dot_row(const int8_t* w, const Int16Rows& x, int64_t m0, int64_t K, float* acc) {
+  const int16_t* xq[MR];
+  for (int m = 0; m < MR; ++m) xq[m] = x.row(m0 + m);
+#ifdef PAGEDSERVE_AVX512
+  constexpr int U = MR == 1 ? 2 : 1;
+  __m512 f[MR];
+  for (int m = 0; m < MR; ++m) f[m] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += KB) {
+    const int64_t k1 = std::min(K, k0 + KB);
+    __m512i s[MR][U];
+    for (int m = 0; m < MR; ++m)
+      for (int u = 0; u < U; ++u) s[m][u] = _mm512_setzero_si512();
+    int64_t k = k0;
+    for (; k + 32 * U <= k1; k += 32 * U)
+      for (int u = 0; u < U; ++u) {
+        const __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k + 32 * u)));
+        for (int m = 0; m < MR; ++m) s[m][u] = PAGEDSERVE_DPWSSD(s[m][u], w16, _mm512_loadu_si512(xq[m] + k + 32 * u));
+      }
+    for (; k < k1; k += 32) {  // the tail, masked to the row's end (the codes beyond K are zero)
+      const __mmask32 mask = k + 32 <= k1 ? 0xFFFFFFFFu : (1u << (k1 - k)) - 1;
+      const __m512i w16 = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, w + k));
+      for (int m = 0; m < MR; ++m) s[m][0] = PAGEDSERVE_DPWSSD(s[m][0], w16, _mm512_loadu_si512(xq[m] + k));
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int u = 0; u < U; ++u) f[m] = _mm512_add_ps(f[m], _mm512_cvtepi32_ps(s[m][u]));
   }
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_reduce_add_ps(f[m]);
+#elif defined(__AVX2__)
+  constexpr int U = MR == 1 ? 2 : 1;
+  __m256 f[MR];
+  for (int m = 0; m < MR; ++m) f[m] = _mm256_setzero_ps();
+  int32_t tail[MR] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += KB) {
+    const int64_t k1 = std::min(K, k0 + KB);
+    __m256i s[MR][U];
+    for (int m = 0; m < MR; ++m)
+      for (int u = 0; u < U; ++u) s[m][u] = _mm256_setzero_si256();
+    int64_t k = k0;
+    auto chunk = [&](int64_t kk, int u) __attribute__((always_inline)) {
+      const __m256i w16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kk)));
+      for (int m = 0; m < MR; ++m)
+        s[m][u] = _mm256_add_epi32(
+            s[m][u], _mm256_madd_epi16(w16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + kk))));
+    };
+    for (; k + 16 * U <= k1; k += 16 * U)
+      for (int u = 0; u < U; ++u) chunk(k + 16 * u, u);
+    for (; k + 16 <= k1; k += 16) chunk(k, 0);
+    for (; k < k1; ++k)
+      for (int m = 0; m < MR; ++m) tail[m] += w[k] * xq[m][k];
+    for (int m = 0; m < MR; ++m)
+      for (int u = 0; u < U; ++u) f[m] = _mm256_add_ps(f[m], _mm256_cvtepi32_ps(s[m][u]));
+  }
+  for (int m = 0; m < MR; ++m) acc[m] = pagedserve::hsum(f[m]) + static_cast<float>(tail[m]);
+#else
+  for (int m = 0; m < MR; ++m) {
+    acc[m] = 0.f;
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+      int32_t s = 0;
+      for (int64_t k = k0; k < std::min(K, k0 + KB); ++k) s += w[k] * xq[m][k];
+      acc[m] += static_cast<float>(s);
+    }
+  }
+#endif
 }
 
 template <typename T>
 void int8_linear_impl(const T* x, int64_t M, int64_t K, const int8_t* w, const float* scale, int64_t N, T* out) {
-  std::vector<float> xf(M * K);  // activations widened once: a few KiB
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = widen(x[i]);
+  const Int16Rows xq = quantize_rows(x, M, K, 32, 0);
   at::parallel_for(0, (N + BN - 1) / BN, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * BN, n1 = std::min(N, n0 + BN);
-      for (int64_t m = 0; m < M; m += 4) {
-        const float* xm = xf.data() + m * K;
-        T* om = out + m * N;
-        switch (std::min<int64_t>(4, M - m)) {
-          case 4: rows_block<4>(w, scale, xm, K, n0, n1, om, N); break;
-          case 3: rows_block<3>(w, scale, xm, K, n0, n1, om, N); break;
-          case 2: rows_block<2>(w, scale, xm, K, n0, n1, om, N); break;
-          default: rows_block<1>(w, scale, xm, K, n0, n1, om, N); break;
+    for (int64_t n = b0 * BN; n < std::min(N, b1 * BN); ++n) {
+      for (int64_t m = 0; m < M; m += 4) {  // the row's codes reused from L1 by up to 4 activation rows
+        float acc[4];
+        const int64_t mr = std::min<int64_t>(4, M - m);
+        switch (mr) {
+          case 4: dot_row<4>(w + n * K, xq, m, K, acc); break;
+          case 3: dot_row<3>(w + n * K, xq, m, K, acc); break;
+          case 2: dot_row<2>(w + n * K, xq, m, K, acc); break;
+          default: dot_row<1>(w + n * K, xq, m, K, acc); break;
         }
+        for (int64_t i = 0; i < mr; ++i) out[(m + i) * N + n] = narrow<T>(acc[i] * xq.scale[m + i] * scale[n]);
       }
     }
   });
@@ -160,16 +214,30 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // ---- int4 ------------------------------------------------------------------------------------------
 // w[n, k] = c * scale[n, g] + bias[n, g] (fp16 or fp32) for the 4-bit code c of k in group g = k / group; codes
 // two per byte, k even in the low nibble (engine/quant/formats.py pack_nibbles). Per row,
-//   y = sum_g scale_g * sum_{k in g} c_k x_k  +  sum_g bias_g * sum_{k in g} x_k,
-// so the inner loop multiplies raw codes and the bias term is one dot product with the per-group sums of x.
-// The activations are reordered once per call to match the nibble order of a vector load of codes.
-//
-// Two inner loops. fp32 (any activation dtype): 16 bytes of codes -> two fp32 vectors by mask and shift, x
-// split into even/odd halves per 32. bf16 activations on a CPU with AVX512-BF16: 32 bytes of codes -> two
-// vectors of 32 bf16 values by OR-ing each nibble into the bf16 pattern of 128 + c (exact: 128..143 need 4
-// mantissa bits), then vdpbf16ps does 32 multiply-adds per instruction; the 128 is taken back through the
-// bias term, sum_g (bias_g - 128 scale_g) * sum x. Either way several accumulators per activation row keep
-// the FMA latency chain off the critical path: with one, M = 1 ran at a third of the memory bandwidth.
+//   y = sx * (sum_g scale_g * sum_{k in g} c_k xq_k  +  sum_g bias_g * sum_{k in g} xq_k),
+// so the inner loop multiplies raw codes by activation codes in int32 (one group at a time, converted and
+// scaled per chunk) and the bias term is one short dot product with the per-group sums of the activation codes.
+// Both terms see the same rounded activations, so the codes' offset of 8 (bias = zero - 8 * scale) cancels
+// exactly; with the exact sums of x it amplified the activations' rounding error ~6x (per-tensor scales).
+// The activation codes are reordered once per call to match the nibble order of a vector load of codes:
+// per CHUNK codes, the CHUNK / 2 at even k, then the CHUNK / 2 at odd k.
+#ifdef PAGEDSERVE_AVX512
+constexpr int64_t CHUNK = 64;  // codes per vector step (32 bytes widened to 32 int16 lanes, low and high nibbles)
+#else
+constexpr int64_t CHUNK = 32;
+#endif
+
+inline void reorder_even_odd(Int16Rows& x, int64_t M) {
+  std::vector<int16_t> tmp(CHUNK);
+  for (int64_t m = 0; m < M; ++m) {
+    int16_t* q = x.q.data() + m * x.Kp;
+    for (int64_t k = 0; k < x.Kp; k += CHUNK) {
+      for (int64_t i = 0; i < CHUNK / 2; ++i) tmp[i] = q[k + 2 * i], tmp[CHUNK / 2 + i] = q[k + 2 * i + 1];
+      std::memcpy(q + k, tmp.data(), CHUNK * sizeof(int16_t));
+    }
+  }
+}
+
 #ifdef PAGEDSERVE_AVX512
 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 inline __m512 load16(const at::Half* p, __mmask16 mask) {
@@ -177,72 +245,97 @@ inline __m512 load16(const at::Half* p, __mmask16 mask) {
 }
 
 // The per-row part, vectorised: the row's scales widened into sc (and spread per 32 codes into cs where a
-// group is longer), and s[m] = lane-wise terms of sum_g (bias_g - offset * scale_g) * xsum[m, g].
+// group is longer), and sb[m] = lane-wise terms of sum_g bias_g * xsum[m, g].
 template <int MR, typename S>
-inline const float* row_prologue(const S* scale, const S* bias, float offset, const float* xsum, int64_t G,
-                                 int64_t per, float* sc, float* cs, __m512* s) {
-  const __m512 off = _mm512_set1_ps(offset);
+inline const float* row_prologue(const S* scale, const S* bias, const float* xsum, int64_t G, int64_t per,
+                                 float* sc, float* cs, __m512* sb) {
   for (int64_t g = 0; g < G; g += 16) {
     const __mmask16 mask = g + 16 <= G ? 0xFFFF : static_cast<__mmask16>((1u << (G - g)) - 1);
-    const __m512 scv = load16(scale + g, mask);
-    _mm512_mask_storeu_ps(sc + g, mask, scv);
-    const __m512 b = _mm512_fnmadd_ps(off, scv, load16(bias + g, mask));
-    for (int m = 0; m < MR; ++m) s[m] = _mm512_fmadd_ps(b, _mm512_maskz_loadu_ps(mask, xsum + m * G + g), s[m]);
+    // a full store (sc has room): a masked one cannot forward to the scalar loads that follow, which then
+    // waited for it to retire, row after row
+    _mm512_storeu_ps(sc + g, load16(scale + g, mask));
+    const __m512 b = load16(bias + g, mask);
+    for (int m = 0; m < MR; ++m) sb[m] = _mm512_fmadd_ps(b, _mm512_maskz_loadu_ps(mask, xsum + m * G + g), sb[m]);
   }
   if (per == 1) return sc;
-  for (int64_t j = 0; j < G * per; ++j) cs[j] = sc[j / per];
+  for (int64_t g = 0; g < G; ++g)  // no division: a variable int64 divide per element cost more than the codes
+    for (int64_t p = 0; p < per; ++p) cs[g * per + p] = sc[g];
   return cs;
 }
 
-// fp32: chunks of 32 codes (16 bytes); acc[m] = the row's dot product with activation row m
-template <int MR, typename S>
-inline void dot_row_int4(const uint8_t* c, const S* scale, const S* bias, const float* xe, const float* xsum,
-                         int64_t K, int64_t G, float* buf, float* acc) {
-  RowAccumulators<MR> r;
-  const float* cs = row_prologue<MR>(scale, bias, 0.f, xsum, G, K / 32 / G, buf, buf + MAX_GROUPS, r.sb);
-  const __m512i low = _mm512_set1_epi32(15);
-  const int64_t chunks = K / 32;
-  auto chunk = [&](int64_t j, int u) __attribute__((always_inline)) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j)));
-    const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(b, low));
-    const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-    const __m512 sc = _mm512_set1_ps(cs[j]);
+// acc[m] = the row's dot product with activation row m (both scales applied). Lane l of vpdpwssd sums int16
+// pair (2l, 2l + 1), i.e. codes k = 64j + 4l (+2) from the low nibbles and (+1, +3) from the high ones: lanes
+// 0-7 lie in the chunk's first 32 codes, lanes 8-15 in its second, hence the scale vector blends two 32-code
+// scales. A K that ends half-way through a chunk loads 16 bytes (the codes beyond K count as zero).
+// PER: 32-code pieces per group when the compiler should know it (1: group 32, 2: group 64), else 0: a row of
+// K's per-32 scales is spread out first. At group 64 a chunk is one group: one broadcast, no per-row spread.
+template <int MR, int PER, typename S>
+inline void dot_row_int4(const uint8_t* c, const S* scale, const S* bias, const Int16Rows& x, int64_t m0, int64_t K,
+                         int64_t G, float* buf, float* acc) {
+  constexpr int U = MR == 1 ? 2 : 1;
+  __m512 sb[MR], f[MR][U];
+  for (int m = 0; m < MR; ++m) {
+    sb[m] = _mm512_setzero_ps();
+    for (int u = 0; u < U; ++u) f[m][u] = _mm512_setzero_ps();
+  }
+  const float* cs = row_prologue<MR>(scale, bias, x.xsum.data() + m0 * G, G, PER ? 1 : K / 32 / G, buf,
+                                     buf + MAX_GROUPS, sb);
+  const int16_t* xq[MR];
+  for (int m = 0; m < MR; ++m) xq[m] = x.row(m0 + m);
+  const __m512i nib = _mm512_set1_epi16(15);
+  auto chunk = [&](int64_t j, int u, __m512i b, __m512 sc) __attribute__((always_inline)) {
+    const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_srli_epi16(b, 4);
     for (int m = 0; m < MR; ++m) {
-      const float* x = xe + m * K + 32 * j;
-      const __m512 t = _mm512_fmadd_ps(odd, _mm512_loadu_ps(x + 16), _mm512_mul_ps(even, _mm512_loadu_ps(x)));
-      r.s[m][u] = _mm512_fmadd_ps(t, sc, r.s[m][u]);
+      __m512i t = _mm512_madd_epi16(lo, _mm512_loadu_si512(xq[m] + 64 * j));
+      t = PAGEDSERVE_DPWSSD(t, hi, _mm512_loadu_si512(xq[m] + 64 * j + 32));
+      f[m][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, f[m][u]);
     }
   };
-  r.run(chunks, chunk);
-  r.finish(acc);
+  auto codes = [&](int64_t j) __attribute__((always_inline)) {
+    return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j)));
+  };
+  auto scales = [&](int64_t j) __attribute__((always_inline)) {
+    if constexpr (PER == 2) return _mm512_set1_ps(cs[j]);
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(cs[2 * j]), _mm512_set1_ps(cs[2 * j + 1]));
+  };
+  const int64_t chunks = K / 64;
+  int64_t j = 0;
+  for (; j + U <= chunks; j += U)
+    for (int u = 0; u < U; ++u) chunk(j + u, u, codes(j + u), scales(j + u));
+  for (; j < chunks; ++j) chunk(j, 0, codes(j), scales(j));
+  if (K % 64)  // 32 codes left: one scale
+    chunk(j, 0, _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(0xFFFF, c + 32 * j)), _mm512_set1_ps(cs[2 * j]));
+  for (int m = 0; m < MR; ++m) {
+    __m512 t = f[m][0];
+    for (int u = 1; u < U; ++u) t = _mm512_add_ps(t, f[m][u]);
+    acc[m] = _mm512_reduce_add_ps(_mm512_fmadd_ps(t, _mm512_set1_ps(x.scale[m0 + m]), sb[m]));
+  }
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-// AVX2: the same chunks of 32 codes, as four 8-lane vectors (low nibbles of bytes 0-7 and 8-15, then the high ones:
-// xe's order per 32 is the 16 even k, then the 16 odd k); the short per-row bias term stays scalar
-template <int MR, typename S>
-inline void dot_row_int4(const uint8_t* c, const S* scale, const S* bias, const float* xe, const float* xsum,
-                         int64_t K, int64_t G, float*, float* acc) {
+#elif defined(__AVX2__)
+// AVX2: chunks of 32 codes (16 bytes widened to 16 int16 lanes); the short per-row bias term stays scalar
+template <int MR, int, typename S>
+inline void dot_row_int4(const uint8_t* c, const S* scale, const S* bias, const Int16Rows& x, int64_t m0, int64_t K,
+                         int64_t G, float* buf, float* acc) {
   const int64_t per = K / 32 / G;
+  float* cs = buf;  // the scale of every 32 codes, widened
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t p = 0; p < per; ++p) cs[g * per + p] = widen(scale[g]);
   constexpr int U = MR == 1 ? 2 : 1;
-  __m256 s[MR][U];
+  __m256 f[MR][U];
   for (int m = 0; m < MR; ++m)
-    for (int u = 0; u < U; ++u) s[m][u] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi32(15);
+    for (int u = 0; u < U; ++u) f[m][u] = _mm256_setzero_ps();
+  const int16_t* xq[MR];
+  for (int m = 0; m < MR; ++m) xq[m] = x.row(m0 + m);
+  const __m256i nib = _mm256_set1_epi16(15);
   auto chunk = [&](int64_t j, int u) __attribute__((always_inline)) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j));
-    const __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-    const __m256 e0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));
-    const __m256 e1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));
-    const __m256 o0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
-    const __m256 o1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
-    const __m256 sc = _mm256_set1_ps(widen(scale[j / per]));
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j)));
+    const __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_srli_epi16(b, 4);
+    const __m256 sc = _mm256_set1_ps(cs[j]);
     for (int m = 0; m < MR; ++m) {
-      const float* x = xe + m * K + 32 * j;
-      __m256 t = _mm256_mul_ps(e0, _mm256_loadu_ps(x));
-      t = _mm256_fmadd_ps(e1, _mm256_loadu_ps(x + 8), t);
-      t = _mm256_fmadd_ps(o0, _mm256_loadu_ps(x + 16), t);
-      t = _mm256_fmadd_ps(o1, _mm256_loadu_ps(x + 24), t);
-      s[m][u] = _mm256_fmadd_ps(t, sc, s[m][u]);
+      const __m256i t = _mm256_add_epi32(
+          _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + 32 * j))),
+          _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + 32 * j + 16))));
+      f[m][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sc, f[m][u]);
     }
   };
   const int64_t chunks = K / 32;
@@ -251,110 +344,28 @@ inline void dot_row_int4(const uint8_t* c, const S* scale, const S* bias, const 
     for (int u = 0; u < U; ++u) chunk(j + u, u);
   for (; j < chunks; ++j) chunk(j, 0);
   for (int m = 0; m < MR; ++m) {
-    __m256 t = s[m][0];
-    for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, s[m][u]);
-    acc[m] = pagedserve::hsum(t);
-    for (int64_t g = 0; g < G; ++g) acc[m] += widen(bias[g]) * xsum[m * G + g];
+    __m256 t = f[m][0];
+    for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, f[m][u]);
+    float b = 0.f;
+    for (int64_t g = 0; g < G; ++g) b += widen(bias[g]) * x.xsum[(m0 + m) * G + g];
+    acc[m] = pagedserve::hsum(t) * x.scale[m0 + m] + b;
   }
 }
 #else
-template <int MR, typename S>
-inline void dot_row_int4(const uint8_t* c, const S* scale, const S* bias, const float* xe, const float* xsum,
-                         int64_t K, int64_t G, float*, float* acc) {
+template <int MR, int, typename S>
+inline void dot_row_int4(const uint8_t* c, const S* scale, const S* bias, const Int16Rows& x, int64_t m0, int64_t K,
+                         int64_t G, float*, float* acc) {
   const int64_t per = K / 32 / G;
   for (int m = 0; m < MR; ++m) {
-    acc[m] = 0.f;
-    for (int64_t g = 0; g < G; ++g) acc[m] += widen(bias[g]) * xsum[m * G + g];
-  }
-  for (int64_t j = 0; j < K / 32; ++j)
-    for (int m = 0; m < MR; ++m) {
-      const float* x = xe + m * K + 32 * j;
-      float t = 0.f;
-      for (int64_t i = 0; i < 16; ++i) t += (c[16 * j + i] & 15) * x[i] + (c[16 * j + i] >> 4) * x[16 + i];
-      acc[m] += widen(scale[j / per]) * t;
+    const int16_t* xq = x.row(m0 + m);
+    float s = 0.f, b = 0.f;
+    for (int64_t j = 0; j < K / 32; ++j) {
+      int32_t t = 0;
+      for (int64_t i = 0; i < 16; ++i) t += (c[16 * j + i] & 15) * xq[32 * j + i] + (c[16 * j + i] >> 4) * xq[32 * j + 16 + i];
+      s += widen(scale[j / per]) * static_cast<float>(t);
     }
-}
-#endif
-
-#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
-#define PAGEDSERVE_INT4_BF16 1
-
-// x [M, K] bf16 -> xb (per 64: the 32 values at even k, then the 32 at odd k) and xsum [M, K / group] in fp32
-inline void prepare_bf16_activations(const uint16_t* x, int64_t M, int64_t K, int64_t group, uint16_t* xb,
-                                     float* xsum) {
-  alignas(64) static const uint16_t even_odd[64] = {
-      0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42,
-      44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23,
-      25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
-  const __m512i ie = _mm512_load_si512(even_odd), io = _mm512_load_si512(even_odd + 32);
-  auto widen32 = [](__m512i v) __attribute__((always_inline)) {  // 32 bf16 -> the sum of two fp32 halves
-    const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-    const __m512 b =
-        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
-    return _mm512_add_ps(a, b);
-  };
-  for (int64_t m = 0; m < M; ++m) {
-    const uint16_t* xm = x + m * K;
-    uint16_t* dst = xb + m * K;
-    for (int64_t k = 0; k < K; k += 64) {
-      const __m512i a = _mm512_loadu_si512(xm + k), b = _mm512_loadu_si512(xm + k + 32);
-      _mm512_storeu_si512(dst + k, _mm512_permutex2var_epi16(a, ie, b));
-      _mm512_storeu_si512(dst + k + 32, _mm512_permutex2var_epi16(a, io, b));
-    }
-    for (int64_t g = 0; g < K / group; ++g) {
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t k = g * group; k < (g + 1) * group; k += 32)
-        sum = _mm512_add_ps(sum, widen32(_mm512_loadu_si512(xm + k)));
-      xsum[m * (K / group) + g] = _mm512_reduce_add_ps(sum);
-    }
-  }
-}
-
-// bf16: chunks of 64 codes (32 bytes); xb holds, per chunk, the 32 x at even k then the 32 at odd k. Lane l of
-// vdpbf16ps sums pair (2l, 2l + 1), i.e. k = 64j + 4l (+2): lanes 0-7 lie in the chunk's first 32 codes,
-// lanes 8-15 in its second, hence the scale vector blends the two 32-code scales.
-template <int MR, typename S>
-inline void dot_row_int4_bf16(const uint8_t* c, const S* scale, const S* bias, const uint16_t* xb,
-                              const float* xsum, int64_t K, int64_t G, float* buf, float* acc) {
-  RowAccumulators<MR> r;
-  const float* cs = row_prologue<MR>(scale, bias, 128.f, xsum, G, K / 32 / G, buf, buf + MAX_GROUPS, r.sb);
-  const __m512i nib = _mm512_set1_epi16(15), pattern = _mm512_set1_epi16(0x4300);  // bf16(128) = 0x4300
-  const int64_t chunks = K / 64;
-  auto chunk = [&](int64_t j, int u) __attribute__((always_inline)) {
-    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j)));
-    const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(w, nib, pattern, 0xEA);  // (w & nib) | pattern
-    const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 4), pattern);
-    const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(cs[2 * j]), _mm512_set1_ps(cs[2 * j + 1]));
-    for (int m = 0; m < MR; ++m) {
-      const uint16_t* x = xb + m * K + 64 * j;
-      __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, (__m512bh)_mm512_loadu_si512(x));
-      t = _mm512_dpbf16_ps(t, hi, (__m512bh)_mm512_loadu_si512(x + 32));
-      r.s[m][u] = _mm512_fmadd_ps(t, sc, r.s[m][u]);
-    }
-  };
-  r.run(chunks, chunk);
-  r.finish(acc);
-}
-#endif
-
-#ifdef PAGEDSERVE_AVX512
-// x [M, K] fp32 -> xe (per 32: the 16 values at even k, then the 16 at odd k) and xsum [M, K / group]
-inline void prepare_fp32_activations(const float* x, int64_t M, int64_t K, int64_t group, float* xe, float* xsum) {
-  const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
-    float* dst = xe + m * K;
-    for (int64_t k = 0; k < K; k += 32) {
-      const __m512 a = _mm512_loadu_ps(xm + k), b = _mm512_loadu_ps(xm + k + 16);
-      _mm512_storeu_ps(dst + k, _mm512_permutex2var_ps(a, ie, b));
-      _mm512_storeu_ps(dst + k + 16, _mm512_permutex2var_ps(a, io, b));
-    }
-    for (int64_t g = 0; g < K / group; ++g) {
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t k = g * group; k < (g + 1) * group; k += 16) sum = _mm512_add_ps(sum, _mm512_loadu_ps(xm + k));
-      xsum[m * (K / group) + g] = _mm512_reduce_add_ps(sum);
-    }
+    for (int64_t g = 0; g < G; ++g) b += widen(bias[g]) * x.xsum[(m0 + m) * G + g];
+    acc[m] = s * x.scale[m0 + m] + b;
   }
 }
 #endif
@@ -362,36 +373,11 @@ inline void prepare_fp32_activations(const float* x, int64_t M, int64_t K, int64
 template <typename T, typename S>
 void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S* scale, const S* bias,
                       int64_t N, int64_t G, T* out) {
-  const int64_t group = K / G;
-  bool use_bf16 = false;
-#ifdef PAGEDSERVE_INT4_BF16
-  use_bf16 = std::is_same_v<T, at::BFloat16> && K % 64 == 0;
-#endif
-  // x reordered to the codes' nibble order (fp32 per 32, or bf16 bits per 64), and its per-group sums
-  std::vector<float> xe(use_bf16 ? 0 : M * K), xsum(M * G, 0.f);
-  std::vector<uint16_t> xb(use_bf16 ? M * K : 0);
-#ifdef PAGEDSERVE_INT4_BF16
-  if (use_bf16) {  // vectorised: one even/odd word permute per 64, the group sums from the widened halves
-    prepare_bf16_activations(reinterpret_cast<const uint16_t*>(x), M, K, group, xb.data(), xsum.data());
-  } else
-#endif
-#ifdef PAGEDSERVE_AVX512
-  if constexpr (std::is_same_v<T, float>) {  // vectorised: one even/odd permute per 32 (the scalar loop cost
-    prepare_fp32_activations(x, M, K, group, xe.data(), xsum.data());  // as much as a small matrix's codes)
-  } else
-#endif
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      float sum = 0.f;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) {  // fp32 layout: the bf16 one is vectorised above
-        const float v = widen(x[m * K + k]);
-        xe[m * K + (k & ~int64_t(31)) + (k & 1) * 16 + (k & 31) / 2] = v;
-        sum += v;
-      }
-      xsum[m * G + g] = sum;
-    }
+  Int16Rows xq = quantize_rows(x, M, K, CHUNK, G);
+  reorder_even_odd(xq, M);
+  const int64_t per = K / 32 / G;
   at::parallel_for(0, (N + BN - 1) / BN, 1, [&](int64_t b0, int64_t b1) {
-    float buf[2 * MAX_GROUPS];  // the row's scales widened, and spread per 32 codes
+    float buf[2 * MAX_GROUPS + 16];  // the row's scales widened, and spread per 32 codes
     for (int64_t n = b0 * BN; n < std::min(N, b1 * BN); ++n) {
       const uint8_t* c = codes + n * (K / 2);
       const S* sc = scale + n * G;
@@ -399,28 +385,16 @@ void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, co
       for (int64_t m = 0; m < M; m += 4) {
         float acc[4];
         const int64_t mr = std::min<int64_t>(4, M - m);
-        const float* xs = xsum.data() + m * G;
-#ifdef PAGEDSERVE_INT4_BF16
-        if (use_bf16) {
-          const uint16_t* xm = xb.data() + m * K;
-          switch (mr) {
-            case 4: dot_row_int4_bf16<4>(c, sc, bi, xm, xs, K, G, buf, acc); break;
-            case 3: dot_row_int4_bf16<3>(c, sc, bi, xm, xs, K, G, buf, acc); break;
-            case 2: dot_row_int4_bf16<2>(c, sc, bi, xm, xs, K, G, buf, acc); break;
-            default: dot_row_int4_bf16<1>(c, sc, bi, xm, xs, K, G, buf, acc); break;
-          }
-        } else
-#endif
-        {
-          const float* xm = xe.data() + m * K;
-          switch (mr) {
-            case 4: dot_row_int4<4>(c, sc, bi, xm, xs, K, G, buf, acc); break;
-            case 3: dot_row_int4<3>(c, sc, bi, xm, xs, K, G, buf, acc); break;
-            case 2: dot_row_int4<2>(c, sc, bi, xm, xs, K, G, buf, acc); break;
-            default: dot_row_int4<1>(c, sc, bi, xm, xs, K, G, buf, acc); break;
-          }
+        switch (mr * 4 + (per <= 2 ? per : 0)) {
+#define PAGEDSERVE_INT4_CASE(R, P) \
+  case R * 4 + P: dot_row_int4<R, P>(c, sc, bi, xq, m, K, G, buf, acc); break;
+          PAGEDSERVE_INT4_CASE(4, 0) PAGEDSERVE_INT4_CASE(4, 1) PAGEDSERVE_INT4_CASE(4, 2)
+          PAGEDSERVE_INT4_CASE(3, 0) PAGEDSERVE_INT4_CASE(3, 1) PAGEDSERVE_INT4_CASE(3, 2)
+          PAGEDSERVE_INT4_CASE(2, 0) PAGEDSERVE_INT4_CASE(2, 1) PAGEDSERVE_INT4_CASE(2, 2)
+          PAGEDSERVE_INT4_CASE(1, 0) PAGEDSERVE_INT4_CASE(1, 1) PAGEDSERVE_INT4_CASE(1, 2)
+#undef PAGEDSERVE_INT4_CASE
         }
-        for (int64_t i = 0; i < mr; ++i) out[(m + i) * N + n] = static_cast<T>(acc[i]);
+        for (int64_t i = 0; i < mr; ++i) out[(m + i) * N + n] = narrow<T>(acc[i]);
       }
     }
   });
@@ -589,6 +563,15 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 }
 
 }  // namespace
+
+namespace pagedserve {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  return ::int8_linear(x, w, scale);
+}
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias) {
+  return ::int4_linear(x, codes, scale, bias);
+}
+}  // namespace pagedserve
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
