@@ -85,7 +85,8 @@ class CpuPagedAttention(AttentionBackend):
             return self.max_kernel_query_len
         return 1 << 62 if dtype == torch.bfloat16 and _bf16_without_amx() else MAX_KERNEL_QUERY_LEN
 
-    def _plan_for(self, meta: AttentionMetadata, num_kv_heads: int, dtype: torch.dtype) -> _StepPlan:
+    def plan(self, meta: AttentionMetadata, num_kv_heads: int, dtype: torch.dtype) -> _StepPlan:
+        """The step's plan (built at the first layer that asks, then shared by every layer)."""
         if self._plan is not None and self._plan.meta is meta:
             return self._plan
         limit = self._kernel_query_limit(dtype)
@@ -103,7 +104,7 @@ class CpuPagedAttention(AttentionBackend):
         return self._plan
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        plan = self._plan_for(meta, k_cache.shape[2], q.dtype)
+        plan = self.plan(meta, k_cache.shape[2], q.dtype)
         if plan.keep is None:
             _store(k, v, k_cache, v_cache, plan.slots)
         else:

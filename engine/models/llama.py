@@ -15,6 +15,7 @@ from torch import nn
 
 from engine import cpu_kernels
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.cpu_paged import QUERY_TILE, CpuPagedAttention
 from engine.compiled import packed_linear
 from engine.config import ModelConfig
 
@@ -60,6 +61,13 @@ class Linear(nn.Linear):
                 return packed_linear(x, self.packed, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def fused_operands(self) -> tuple[list[torch.Tensor], int] | None:
+        """What torch.ops.pagedserve.decode_layer takes for this projection (engine/csrc/decode_layer.cpp) and
+        the most rows it serves there, or None where only the packed weight is left."""
+        if not self.weight.numel():
+            return None
+        return [self.weight] + ([self.bias] if self.bias is not None else []), DENSE_GEMV_MAX_M
 
     def pack(self, keep_weight: bool = False) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
@@ -235,6 +243,17 @@ class LlamaModel(nn.Module):
         ones, engine/compiled.py); the attention between them always runs eagerly."""
         h = self.embed_tokens(input_ids)
         rope = self.rope(positions, h.dtype)
+        if halves is None and self._fused_step(h, meta, backend, kv_caches):
+            # a small decode on the CPU: each layer in one C++ call, the same kernels in the same order
+            plan = backend.plan(meta, kv_caches[0][0].shape[2], h.dtype)
+            attn = self.layers[0].self_attn
+            cos, sin = rope
+            for layer, (k_cache, v_cache), w in zip(self.layers, kv_caches, self._fused):
+                torch.ops.pagedserve.decode_layer(
+                    h, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
+                    *w, cos, sin, k_cache, v_cache, plan.slots, *plan.kernel_args, attn.num_heads, attn.scale,
+                    QUERY_TILE, plan.splits)
+            return h
         if halves is None:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
                 h = layer(rope, h, k_cache, v_cache, meta, backend)
@@ -244,6 +263,44 @@ class LlamaModel(nn.Module):
             o = backend.forward(*pre(layer, rope, h), k_cache, v_cache, meta, layer.self_attn.scale)
             h = post(layer, o, h)
         return h
+
+    # ---- the fused decode layer (engine/csrc/decode_layer.cpp) ---------------------------------------
+    _fused: list | None = None  # per layer: the four projections' operands, once built
+    _fused_max_tokens = 0
+
+    def reset_fused(self) -> None:
+        """Forget the fused layer's operands (after the projections' weights were replaced or repacked)."""
+        self._fused, self._fused_max_tokens = None, 0
+
+    def _build_fused(self) -> None:
+        self._fused, self._fused_max_tokens = [], 0
+        if self.config.qk_norm:  # Qwen3's per-head q/k norms are not in the fused layer
+            return
+        layers, limit = [], 1 << 30
+        for layer in self.layers:
+            ops = [m.fused_operands() if hasattr(m, "fused_operands") else None
+                   for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                             layer.mlp.down_proj)]
+            if any(op is None for op in ops):
+                return
+            layers.append(tuple(op[0] for op in ops))
+            limit = min([limit] + [op[1] for op in ops])
+        self._fused, self._fused_max_tokens = layers, limit
+
+    def _fused_step(self, h: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend, kv_caches) -> bool:
+        """Whether this step runs through the fused layer: a few tokens on the CPU, every sequence in the paged
+        kernel, no padding rows, contiguous caches in h's dtype."""
+        if not isinstance(backend, CpuPagedAttention) or h.dtype != self.norm.weight.dtype or not fused_ops(h):
+            return False
+        if self._fused is None:
+            self._build_fused()
+        if not self._fused or h.shape[0] > self._fused_max_tokens:
+            return False
+        k_cache = kv_caches[0][0]
+        if k_cache.dtype != h.dtype or not k_cache.is_contiguous():
+            return False
+        plan = backend.plan(meta, k_cache.shape[2], h.dtype)
+        return plan.keep is None and plan.num_kernel_seqs == meta.num_seqs
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the rows that sample (norm and LM head only where needed)."""
@@ -256,11 +313,13 @@ class LlamaModel(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.pack(keep_weight=keep_plain or (m is self.lm_head and self.config.tie_word_embeddings))
+        self.reset_fused()
 
     # ---- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors named as in Hugging Face checkpoints into the (fused) parameters."""
+        self.reset_fused()
         params = dict(self.named_parameters())
         q, kv = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size
         inter = self.config.intermediate_size
@@ -299,6 +358,7 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
+        self.reset_fused()
         gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             if "norm" in name:

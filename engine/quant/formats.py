@@ -115,6 +115,11 @@ class QuantWeight(ABC):
     @abstractmethod
     def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
 
+    def gemv_operands(self) -> tuple[list[torch.Tensor], int] | None:
+        """The tensors our C++ GEMV takes (int8: codes, row scale; int4: codes, scale, bias) and the most rows it
+        serves, once prepared for the CPU with our kernels built; None otherwise."""
+        return None
+
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor held (what resident memory is made of)."""
@@ -207,6 +212,11 @@ class Int8Weight(QuantWeight):
             return torch.ops.pagedserve.int8_gemm(x, self.q, s)
         # dense GEMM on the int8 codes (exact in bf16/fp32), the per-row scale applied to the output
         return F.linear(x, self.q.to(x.dtype)) * s.to(x.dtype)
+
+    def gemv_operands(self) -> tuple[list[torch.Tensor], int] | None:
+        if self._kernel_scale is None or self.q.device.type != "cpu" or not cpu_kernels.load():
+            return None
+        return [self.q, self._kernel_scale], INT8_PACKED_MAX_M
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.q, self.scale] + ([self._kernel_scale] if self._kernel_scale is not None else [])
@@ -321,6 +331,11 @@ class Int4Weight(QuantWeight):
         if self._packed is not None:
             return self._kernel(x.to(self._sz.dtype), self._sz).to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype))
+
+    def gemv_operands(self) -> tuple[list[torch.Tensor], int] | None:
+        if self._bias is None:
+            return None
+        return [self.codes, self.scale, self._bias], INT4_GEMV_MAX_M
 
     def tensors(self) -> list[torch.Tensor]:
         if self._packed is not None:

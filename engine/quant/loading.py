@@ -126,6 +126,7 @@ def prepare_modules(model, spec: QuantSpec) -> None:
     from engine.models.llama import Linear
 
     targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") + (("lm_head",) if spec.lm_head else ())
+    model.reset_fused()  # the fused decode layer's operands are rebuilt from the new modules
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear) and name.split(".")[-1] in targets:
             parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model

@@ -27,6 +27,14 @@ class QuantLinear(nn.Module):
         y = self.qweight.matmul(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def fused_operands(self) -> tuple[list[torch.Tensor], int] | None:
+        """This projection's operands for the fused decode layer (engine/csrc/decode_layer.cpp) and the most rows
+        it serves there, or None where the storage has no GEMV of ours."""
+        ops = self.qweight.gemv_operands() if self.qweight is not None else None
+        if ops is None:
+            return None
+        return ops[0] + ([self.bias] if self.bias is not None else []), ops[1]
+
     def extra_repr(self) -> str:
         fmt = self.qweight.format if self.qweight is not None else "?"
         return f"in={self.in_features}, out={self.out_features}, format={fmt}"
