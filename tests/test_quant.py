@@ -10,6 +10,7 @@ import torch
 from engine.config import cpu_has_fast_bf16
 from engine.quant.formats import (
     FORMATS,
+    INT4_GEMV_MAX_M,
     INT8_PACKED_MAX_M,
     NF4_LEVELS,
     Int4Weight,
@@ -87,14 +88,15 @@ def test_kernels_match_dequantize_reference(fmt, shape, dtype):
         x = torch.randn(m, k).to(dtype)
         got = qw.matmul(x)
         assert got.dtype == dtype and got.shape == (m, n)
-        gemv = m <= INT8_PACKED_MAX_M and fmt in ("int8", "int8-tensor", "int4", "int4-tensor")
+        gemv = (fmt in ("int8", "int8-tensor") and m <= INT8_PACKED_MAX_M) or (
+            fmt in ("int4", "int4-tensor") and m <= INT4_GEMV_MAX_M)
         assert _rel(got, x.float() @ ref_w.t()) < max(tol, GEMV_TOL[dtype] if gemv else 0) * 2, (fmt, shape, m)
 
 
 @pytest.mark.parametrize("dtype", ACT_DTYPES)
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_gemv_every_row_count_and_group(group, dtype):
-    """The int4 GEMV's accumulator splits and tails: M = 1..5 (4 is the last GEMV row count), a row count that is
+    """The int4 GEMV's accumulator splits and tails: M = 1 .. INT4_GEMV_MAX_M + 1 (the last GEMV row count and the first GEMM one), a row count that is
     no multiple of the 16-row work block, every group size (a scale per 32 codes, or shared by 2 or 4 of them),
     and a Q4_1-style zero folded into the bias."""
     torch.manual_seed(5)
@@ -105,9 +107,10 @@ def test_int4_gemv_every_row_count_and_group(group, dtype):
     ref_w = qw.dequantize()
     qw.prepare(torch.device("cpu"), dtype)
     tol = TOL[getattr(qw, "kernel_dtype", None) or dtype]
-    for m in range(1, 6):
+    for m in range(1, INT4_GEMV_MAX_M + 2):
         x = torch.randn(m, k).to(dtype)
-        assert _rel(qw.matmul(x), x.float() @ ref_w.t()) < max(tol, GEMV_TOL[dtype] if m <= 4 else 0) * 2, (group, m)
+        gemv = m <= INT4_GEMV_MAX_M
+        assert _rel(qw.matmul(x), x.float() @ ref_w.t()) < max(tol, GEMV_TOL[dtype] if gemv else 0) * 2, (group, m)
 
 
 @pytest.mark.parametrize("dtype", ACT_DTYPES)
@@ -119,7 +122,7 @@ def test_gemv_tails_and_long_rows(dtype):
         qw = quantize(torch.randn(n, k) * 0.02, fmt, 32)
         ref_w = qw.dequantize()
         qw.prepare(torch.device("cpu"), dtype)
-        for m in range(1, 5):
+        for m in range(1, INT8_PACKED_MAX_M + 1):
             x = torch.randn(m, k).sign().to(dtype) * 3  # every code at +-32767
             assert _rel(qw.matmul(x), x.float() @ ref_w.t()) < GEMV_TOL[dtype] * 2, (fmt, m)
 
