@@ -19,7 +19,7 @@ cpu_kernels.CFLAGS = [f"-march={sys.argv[1]}" if f.startswith("-march") else f f
 assert cpu_kernels.load(), "the kernels did not build"
 import torch
 import torch.nn.functional as F
-from engine.quant.formats import quantize
+from engine.quant.formats import INT4_GEMV_MAX_M, INT8_PACKED_MAX_M, quantize
 torch.manual_seed(0)
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
     for fmt, (n, k), group in (("int8", (100, 100), 32), ("int8", (960, 576), 32), ("int8", (40, 8200), 32),
@@ -28,9 +28,10 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         qw = quantize(torch.randn(n, k) * 0.02, fmt, group)
         ref = qw.dequantize()
         qw.prepare(torch.device("cpu"), dtype)
-        for m in (1, 2, 3, 4, 5, 33):
-            # the GEMVs (M <= 4) run on int16 codes of the activations: ~2e-5 relative in fp32 (test_quant.py)
-            t = {torch.float32: 1e-4 if m <= 4 else 1e-5, torch.bfloat16: 2e-2}[getattr(qw, "kernel_dtype", None) or dtype]
+        gemv_max = INT8_PACKED_MAX_M if fmt == "int8" else INT4_GEMV_MAX_M
+        for m in (1, 2, 3, 4, 5, gemv_max, gemv_max + 1, 33):
+            # the GEMVs run on int16 codes of the activations: ~2e-5 relative in fp32 (test_quant.py)
+            t = {torch.float32: 1e-4 if m <= gemv_max else 1e-5, torch.bfloat16: 2e-2}[getattr(qw, "kernel_dtype", None) or dtype]
             x = torch.randn(m, k).to(dtype)
             got, want = qw.matmul(x).float(), x.float() @ ref.t()
             rel = ((got - want).norm() / want.norm()).item()

@@ -77,7 +77,7 @@ def test_fused_layer_leaves_other_steps_to_the_per_op_path(monkeypatch):
     dense, quant = _model(torch.float32, "none", False), _model(torch.float32, "int8", False)
     three = ([19, 5, 7], [1, 1, 1], [20, 6, 8], [[0, 1], [2], [4]])
     assert _run(dense, torch.float32, *three, monkeypatch=monkeypatch)[2] == 0  # the dense GEMV takes <= 2 rows
-    assert _run(quant, torch.float32, *three, monkeypatch=monkeypatch)[2] == 2  # the int8 one <= 4
+    assert _run(quant, torch.float32, *three, monkeypatch=monkeypatch)[2] == 2  # the int8 one <= INT8_PACKED_MAX_M (8)
     prefill = (list(range(9)), [9], [9], [[0]])
     assert _run(quant, torch.float32, *prefill, monkeypatch=monkeypatch)[2] == 0
     padded = ([19, 5], [1, 1], [20, 6], [[0, 1], [2]])

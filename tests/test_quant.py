@@ -28,7 +28,7 @@ ACT_DTYPES = [torch.float32] + ([torch.bfloat16] if cpu_has_fast_bf16() else [])
 # relative error of a kernel's x @ W^T against x @ dequantize(W)^T: fp32 accumulation-order noise, or bf16
 # activations (8-bit mantissa) in the kernels and reference alike
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-# our GEMVs (M <= 4) multiply int16 codes of the activations (one scale per row: steps of absmax / 32767), so in
+# our GEMVs (M <= INT8_PACKED_MAX_M) multiply int16 codes of the activations (one scale per row: steps of absmax / 32767), so in
 # fp32 their error is that rounding's, ~2e-5 for Gaussian x (measured), not fp32's
 GEMV_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 SHAPES = [(64, 128), (960, 576), (576, 1536), (3072, 576)]  # toy, then SmolLM2's qkv, down, gate|up
