@@ -31,7 +31,8 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         gemv_max = INT8_PACKED_MAX_M if fmt == "int8" else INT4_GEMV_MAX_M
         for m in (1, 2, 3, 4, 5, gemv_max, gemv_max + 1, 33):
             # the GEMVs run on int16 codes of the activations: ~2e-5 relative in fp32 (test_quant.py)
-            t = {torch.float32: 1e-4 if m <= gemv_max else 1e-5, torch.bfloat16: 2e-2}[getattr(qw, "kernel_dtype", None) or dtype]
+            kd = getattr(qw, "kernel_dtype", None) or dtype
+            t = {torch.float32: 1e-4 if m <= gemv_max else 1e-5, torch.bfloat16: 2e-2}[kd]
             x = torch.randn(m, k).to(dtype)
             got, want = qw.matmul(x).float(), x.float() @ ref.t()
             rel = ((got - want).norm() / want.norm()).item()

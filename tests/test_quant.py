@@ -28,8 +28,8 @@ ACT_DTYPES = [torch.float32] + ([torch.bfloat16] if cpu_has_fast_bf16() else [])
 # relative error of a kernel's x @ W^T against x @ dequantize(W)^T: fp32 accumulation-order noise, or bf16
 # activations (8-bit mantissa) in the kernels and reference alike
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-# our GEMVs (M <= INT8_PACKED_MAX_M) multiply int16 codes of the activations (one scale per row: steps of absmax / 32767), so in
-# fp32 their error is that rounding's, ~2e-5 for Gaussian x (measured), not fp32's
+# our GEMVs (M <= INT8_PACKED_MAX_M / INT4_GEMV_MAX_M) multiply int16 codes of the activations (one scale per
+# row: steps of absmax / 32767), so in fp32 their error is that rounding's, ~2e-5 for Gaussian x (measured)
 GEMV_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 SHAPES = [(64, 128), (960, 576), (576, 1536), (3072, 576)]  # toy, then SmolLM2's qkv, down, gate|up
 
@@ -96,9 +96,9 @@ def test_kernels_match_dequantize_reference(fmt, shape, dtype):
 @pytest.mark.parametrize("dtype", ACT_DTYPES)
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_gemv_every_row_count_and_group(group, dtype):
-    """The int4 GEMV's accumulator splits and tails: M = 1 .. INT4_GEMV_MAX_M + 1 (the last GEMV row count and the first GEMM one), a row count that is
-    no multiple of the 16-row work block, every group size (a scale per 32 codes, or shared by 2 or 4 of them),
-    and a Q4_1-style zero folded into the bias."""
+    """The int4 GEMV's accumulator splits and tails: M = 1 .. INT4_GEMV_MAX_M + 1 (up to the first GEMM row count),
+    a row count that is no multiple of the 16-row work block, every group size (a scale per 32 codes, or shared by
+    2 or 4 of them), and a Q4_1-style zero folded into the bias."""
     torch.manual_seed(5)
     n, k = 100, 1152
     qw = quantize(torch.randn(n, k) * 0.02, "int4", group)
