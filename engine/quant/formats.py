@@ -96,6 +96,26 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).view(packed.shape[0], -1)
 
 
+PANEL = 16  # rows per panel of our int4 kernels' layout
+
+
+def to_panels(codes: torch.Tensor) -> torch.Tensor:
+    """`pack_nibbles` codes [N, K/2] -> the layout of our int4 kernels (engine/csrc/quant_linear.cpp), [N/16, 8K]:
+    per panel of 16 rows and per 8 codes of K, 64 bytes, row r's 4 at 4r, byte i holding code 8q + i (low nibble)
+    and 8q + 4 + i (high). One 64-byte load then feeds all 16 rows."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    c = unpack_nibbles(codes).view(n // PANEL, PANEL, k // 8, 2, 4)  # [panel, row, q, half, i]
+    return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).transpose(1, 2).reshape(n // PANEL, 8 * k)
+
+
+def from_panels(panels: torch.Tensor) -> torch.Tensor:
+    """Inverse of `to_panels`."""
+    p, k = panels.shape[0], panels.shape[1] // 8
+    b = panels.view(p, k // 8, PANEL, 4).transpose(1, 2)  # [panel, row, q, i]
+    c = torch.stack((b & 15, b >> 4), dim=3).reshape(p * PANEL, k)
+    return pack_nibbles(c)
+
+
 def _grouped(w: torch.Tensor, group: int) -> torch.Tensor:
     n, k = w.shape
     if k % group:
@@ -243,23 +263,24 @@ class Int4Weight(QuantWeight):
     """4-bit codes c in 0..15 with w = (c - 8) * scale + zero per group of `group` along K.
 
     `quantize` is symmetric (zero = 0, the chapter's absmax with qmax 7); llama.cpp's Q4_0 maps
-    exactly (zero = 0) and Q4_1's `d * c + m` maps as zero = m + 8d. On the CPU, `prepare` keeps the
-    codes for our kernels (engine/csrc/quant_linear.cpp: a GEMV at M <= INT4_GEMV_MAX_M, else a GEMM over
-    cache-sized dequantized tiles) with scale and bias = zero - 8 * scale in the scale's dtype (fp16 per
-    group: exact for our scales and for GGUF's d and m). Without our kernels it converts the codes into
+    exactly (zero = 0) and Q4_1's `d * c + m` maps as zero = m + 8d. On the CPU, `prepare` lays the codes
+    out in 16-row panels for our kernels (`to_panels`; engine/csrc/quant_linear.cpp: a GEMV at M <=
+    INT4_GEMV_MAX_M, else a GEMM over cache-sized dequantized tiles) with scale and bias = zero - 8 * scale
+    [N/16, G, 16] in the scale's dtype (fp16 per group: exact for our scales and for GGUF's d and m).
+    Without our kernels (or with N not a multiple of 16) it converts the codes into
     `_weight_int4pack_mm_for_cpu`'s layout (which depends on the CPU's vector width) and drops the
     row-major copy; that kernel then serves every M.
     """
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, fmt: str = "int4",
                  group: int | None = None) -> None:
-        self.codes = codes  # uint8 [N, K/2] (pack_nibbles) until prepared for the CPU kernel
-        self.scale = scale  # [N, G] fp16 (or fp32), or [1, 1] per tensor
+        self.codes = codes  # uint8 [N, K/2] (pack_nibbles); [N/16, 8K] panels once prepared for our kernels
+        self.scale = scale  # [N, G] fp16 (or fp32), or [1, 1] per tensor; [N/16, G, 16] with the panels
         self.zero = zero  # [N, G] fp32 or None
         self.format = fmt
         self.shape = (codes.shape[0], codes.shape[1] * 2)
         self.group = group or self.shape[1] // scale.shape[1]
-        self._bias: torch.Tensor | None = None  # [N, G] zero - 8 * scale for our GEMV, once prepared for it
+        self._bias: torch.Tensor | None = None  # zero - 8 * scale [N/16, G, 16] for our kernels, once prepared
         self._packed: torch.Tensor | None = None  # torch's CPU kernel layout
         self._sz: torch.Tensor | None = None  # [K / kernel group, N, 2] scale and zero, activation dtype
         self._kgroup = 0
@@ -279,8 +300,9 @@ class Int4Weight(QuantWeight):
     def _scale_zero_full(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 [N, G] scale and zero (per-tensor expanded to one group per row)."""
         scale = self.scale.float()
-        if self._bias is not None:
-            return scale, self._bias.float() + 8 * scale
+        if self._bias is not None:  # panels [N/16, G, 16] -> rows
+            scale, bias = (t.float().transpose(1, 2).reshape(self.shape[0], -1) for t in (self.scale, self._bias))
+            return scale, bias + 8 * scale
         if scale.shape[0] == 1:
             scale = scale.expand(self.shape[0], self.shape[1] // self.group)
         zero = self.zero.float() if self.zero is not None else torch.zeros_like(scale)
@@ -292,7 +314,8 @@ class Int4Weight(QuantWeight):
             eye = torch.eye(k, dtype=torch.float32, device=self._packed.device)
             return self._kernel(eye, self._sz.float()).t().contiguous().to(dtype)
         scale, zero = self._scale_zero_full()
-        c = unpack_nibbles(self.codes).float().view(n, -1, self.group)
+        codes = from_panels(self.codes) if self._bias is not None else self.codes
+        c = unpack_nibbles(codes).float().view(n, -1, self.group)
         return ((c - 8) * scale[:, :, None] + zero[:, :, None]).view(n, k).to(dtype)
 
     def _kernel(self, x: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
@@ -305,10 +328,12 @@ class Int4Weight(QuantWeight):
 
     def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
         n, k = self.shape
-        if device.type == "cpu" and self.group % 32 == 0 and cpu_kernels.load():
+        if device.type == "cpu" and self.group % 32 == 0 and n % PANEL == 0 and cpu_kernels.load():
             scale, zero = self._scale_zero_full()
             sdtype = torch.float32 if self.scale.dtype == torch.float32 else torch.float16
-            self.scale, self._bias = scale.to(sdtype).contiguous(), (zero - 8 * scale).to(sdtype).contiguous()
+            self.scale, self._bias = (t.to(sdtype).view(n // PANEL, PANEL, -1).transpose(1, 2).contiguous()
+                                      for t in (scale, zero - 8 * scale))
+            self.codes = to_panels(self.codes)
             self.zero = None  # folded into the bias
             return
         kgroup = next((g for g in INT4_KERNEL_GROUPS if self.group % g == 0 and k % g == 0), 0)
