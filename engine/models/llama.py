@@ -248,11 +248,10 @@ class LlamaModel(nn.Module):
             plan = backend.plan(meta, kv_caches[0][0].shape[2], h.dtype)
             attn = self.layers[0].self_attn
             cos, sin = rope
-            for layer, (k_cache, v_cache), w in zip(self.layers, kv_caches, self._fused):
-                torch.ops.pagedserve.decode_layer(
-                    h, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
-                    *w, cos, sin, k_cache, v_cache, plan.slots, *plan.kernel_args, attn.num_heads, attn.scale,
-                    QUERY_TILE, plan.splits)
+            step = (*plan.kernel_args, attn.num_heads, attn.scale, QUERY_TILE, plan.splits)
+            op = torch.ops.pagedserve.decode_layer
+            for (k_cache, v_cache), layer in zip(kv_caches, self._fused):
+                op(h, *layer, cos, sin, k_cache, v_cache, plan.slots, *step)
             return h
         if halves is None:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -265,7 +264,9 @@ class LlamaModel(nn.Module):
         return h
 
     # ---- the fused decode layer (engine/csrc/decode_layer.cpp) ---------------------------------------
-    _fused: list | None = None  # per layer: the four projections' operands, once built
+    # per layer: the norms' weights, eps and the four projections' operands, once built (module attribute lookups
+    # cost ~5 us a layer each step)
+    _fused: list | None = None
     _fused_max_tokens = 0
 
     def reset_fused(self) -> None:
@@ -283,7 +284,8 @@ class LlamaModel(nn.Module):
                              layer.mlp.down_proj)]
             if any(op is None for op in ops):
                 return
-            layers.append(tuple(op[0] for op in ops))
+            layers.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                           layer.input_layernorm.eps, *(op[0] for op in ops)))
             limit = min([limit] + [op[1] for op in ops])
         self._fused, self._fused_max_tokens = layers, limit
 
