@@ -254,16 +254,18 @@ class _HostBatch:
     @classmethod
     def build(cls, input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
               tables: list[list[int]], block_size: int) -> _HostBatch:
+        # In Python lists, then one tensor each: at batch 1 the tensor-op version (repeat_interleave, gathers,
+        # cumsum) cost ~0.3 ms of a ~9 ms step; a 2,048-token prefill's slots take ~0.3 ms either way.
         width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        q_lens = torch.tensor(query_lens, dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.long)
-        seq_idx = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
-        slots = block_tables[seq_idx, pos // block_size].long() * block_size + pos % block_size
-        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=qsl[1:])
-        return cls(torch.tensor(input_ids, dtype=torch.long), pos, slots, qsl,
-                   torch.tensor(seq_lens, dtype=torch.int32), block_tables)
+        slots, i = [], 0
+        for table, n in zip(tables, query_lens):
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in positions[i:i + n])
+            i += n
+        return cls(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                   torch.tensor(slots, dtype=torch.long),
+                   torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32),
+                   torch.tensor(seq_lens, dtype=torch.int32),
+                   torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32))
 
     def metadata(self, device: torch.device, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
         return AttentionMetadata(
