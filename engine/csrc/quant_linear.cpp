@@ -1,11 +1,11 @@
 // y = x W^T for a few rows of x against weight-only int8 (a scale per output row) or int4 (group-wise) weights.
 //
-// At decode a step reads every weight once, so the cost is the weight bytes: this kernel streams the
-// weight rows once per block of output features, multiplying their integer codes by int16 codes of the
-// activations (below), where torch's `_weight_int8pack_mm` reached about half the memory bandwidth of a
-// bf16 GEMV on the machines we measured (and is 5-10x slower still with fp32 activations). Work is split over
-// output features; within a block of BN rows (a few KiB, L1-resident) every group of up to 4 activation rows
-// reuses the weights from L1 (beyond a few rows the caller dequantizes and runs a GEMM).
+// At decode a step reads every weight once, so the cost is the weight bytes: these kernels stream the weights
+// once, multiplying their integer codes by integer codes of the activations (int16 for int8 weights, int8 per 32
+// values for int4: below), where torch's `_weight_int8pack_mm` reached about half the memory bandwidth of a bf16
+// GEMV on the machines we measured (and is 5-10x slower still with fp32 activations). Work is split over output
+// features; within a block of rows (a few KiB, L1-resident) every group of up to 4 activation rows reuses the
+// weights from L1 (beyond 8 rows the caller dequantizes tiles and runs a GEMM).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -5,9 +5,9 @@ and llama.cpp's q/k row permutation applies to codes and scales alike.
 
 | format        | storage                                 | bits/weight        | CPU kernel                      |
 |---------------|-----------------------------------------|--------------------|---------------------------------|
-| `int8`        | int8 [N, K], fp16 scale per row         | 8 + 16/K           | ours: GEMV (M <= 4), tiled GEMM |
+| `int8`        | int8 [N, K], fp16 scale per row         | 8 + 16/K           | ours: GEMV (M <= 8), tiled GEMM |
 | `int8-tensor` | int8 [N, K], one scale                  | 8                  | as int8                         |
-| `int4`        | 4-bit codes, fp16 scale per group of g  | 4 + 16/g           | ours: GEMV (M <= 4), tiled GEMM |
+| `int4`        | 4-bit codes, fp16 scale per group of g  | 4 + 16/g           | ours: GEMV (M <= 8), tiled GEMM |
 | `int4-tensor` | 4-bit codes, one scale                  | 4                  | as int4                         |
 | `nf4`         | 4-bit NF4 level index, fp16 absmax / 64 | 4.25               | dequantize + GEMM               |
 
