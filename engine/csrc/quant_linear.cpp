@@ -449,25 +449,79 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 // Converting the whole matrix first writes and re-reads twice its int8 bytes (four times in fp32); a tile
 // of ~256 KiB stays in cache between the conversion and the GEMM, so DRAM sees only the int8/int4 bytes.
 
+#ifdef PAGEDSERVE_AVX512
+// 16 fp32 values -> T, rounding to nearest even (finite values: dequantized weights)
+template <typename T>
+inline void store16(T* dst, __m512 f) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(dst, f);
+  } else if constexpr (std::is_same_v<T, at::Half>) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
+  } else {
+    static_assert(std::is_same_v<T, at::BFloat16>);
+    const __m512i b = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+  }
+}
+
+// one row r of a panel back to K values: 16 of its 4-byte pieces (128 codes) per gather, their nibbles put in
+// k order, widened 16 at a time and scaled by their group's scale and bias
+template <typename T>
+inline void dequant_panel_row(const uint8_t* c, int64_t r, const float* sc, const float* bi, int64_t K, int64_t group,
+                              T* o) {
+  const int64_t steps = K / 8;
+  const __m512i offs = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(64));
+  const __m512i nib = _mm512_set1_epi8(15);
+  // unpacklo/hi_epi32(lo, hi) leave q-steps (0 1 4 5 8 9 12 13) and (2 3 6 7 10 11 14 15) in their 64-bit lanes
+  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  int64_t g = 0, left = group;  // the current group and the codes left in it
+  for (int64_t q0 = 0; q0 < steps; q0 += 16) {
+    const __mmask16 mask = q0 + 16 <= steps ? 0xFFFF : static_cast<__mmask16>((1u << (steps - q0)) - 1);
+    const __m512i d = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offs, c + q0 * 64 + 4 * r, 1);
+    const __m512i lo = _mm512_and_si512(d, nib), hi = _mm512_and_si512(_mm512_srli_epi32(d, 4), nib);
+    const __m512i a = _mm512_unpacklo_epi32(lo, hi), b = _mm512_unpackhi_epi32(lo, hi);
+    alignas(64) uint8_t bytes[128];
+    _mm512_store_si512(bytes, _mm512_permutex2var_epi64(a, first, b));
+    _mm512_store_si512(bytes + 64, _mm512_permutex2var_epi64(a, second, b));
+    for (int64_t j = 0; j < 8 && 8 * q0 + 16 * j < K; ++j) {  // 16 codes: within one group (a multiple of 32)
+      const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(bytes + 16 * j));
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+      store16(o + 8 * q0 + 16 * j, _mm512_fmadd_ps(f, _mm512_set1_ps(sc[g]), _mm512_set1_ps(bi[g])));
+      if ((left -= 16) == 0) ++g, left = group;
+    }
+  }
+}
+#endif
+
 // rows n0..n1 (multiples of 16) of the panels, dequantized into buf [n1 - n0, K]
 template <typename T, typename S>
 void dequant_rows_int4(const uint8_t* codes, const S* scale, const S* bias, int64_t K, int64_t G, int64_t n0,
                        int64_t n1, T* buf) {
-  const int64_t steps = K / G / 8;  // 8-code steps per group
+  const int64_t group = K / G;
   at::parallel_for(n0 / PANEL, n1 / PANEL, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> sc(G), bi(G);
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* c = codes + p * PANEL * (K / 2);
       for (int64_t r = 0; r < PANEL; ++r) {
         T* o = buf + (p * PANEL + r - n0) * K;
-        for (int64_t g = 0; g < G; ++g) {
-          const float sc = widen(scale[(p * G + g) * PANEL + r]), bi = widen(bias[(p * G + g) * PANEL + r]);
-          for (int64_t q = g * steps; q < (g + 1) * steps; ++q)
-            for (int64_t i = 0; i < 4; ++i) {
-              const uint8_t byte = c[q * 64 + 4 * r + i];
-              o[8 * q + i] = narrow<T>(static_cast<float>(byte & 15) * sc + bi);
-              o[8 * q + 4 + i] = narrow<T>(static_cast<float>(byte >> 4) * sc + bi);
-            }
+        for (int64_t g = 0; g < G; ++g)
+          sc[g] = widen(scale[(p * G + g) * PANEL + r]), bi[g] = widen(bias[(p * G + g) * PANEL + r]);
+#ifdef PAGEDSERVE_AVX512
+        if constexpr (!std::is_same_v<T, double>) {
+          dequant_panel_row(c, r, sc.data(), bi.data(), K, group, o);
+          continue;
         }
+#endif
+        for (int64_t q = 0; q < K / 8; ++q)
+          for (int64_t i = 0; i < 4; ++i) {
+            const uint8_t byte = c[q * 64 + 4 * r + i];
+            const int64_t g = 8 * q / group;
+            o[8 * q + i] = narrow<T>(static_cast<float>(byte & 15) * sc[g] + bi[g]);
+            o[8 * q + 4 + i] = narrow<T>(static_cast<float>(byte >> 4) * sc[g] + bi[g]);
+          }
       }
     }
   });
