@@ -18,9 +18,11 @@ from engine.quant.formats import (
     NF4Weight,
     cat,
     default_group_size,
+    from_panels,
     pack_nibbles,
     quantize,
     relative_error,
+    to_panels,
     unpack_nibbles,
 )
 
@@ -64,6 +66,10 @@ def test_round_trip_and_bits(fmt):
 def test_nibbles_and_nf4_levels():
     codes = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
     assert torch.equal(unpack_nibbles(pack_nibbles(codes)), codes)
+    packed = pack_nibbles(torch.randint(0, 16, (48, 96), dtype=torch.uint8))
+    panels = to_panels(packed)  # our int4 kernels' 16-row layout: 8 codes of 16 rows per 64 bytes
+    assert panels.shape == (3, 8 * 96) and torch.equal(from_panels(panels), packed)
+    assert panels[0, 4 * 5] == (unpack_nibbles(packed)[5, 0] | unpack_nibbles(packed)[5, 4] << 4)  # row 5, k 0 and 4
     w = (NF4_LEVELS.repeat(4) * 3.0)[None, :]  # every level exactly, block absmax 3
     assert torch.allclose(NF4Weight.quantize(w).dequantize(), w, atol=1e-6)
 
