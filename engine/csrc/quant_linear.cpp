@@ -350,7 +350,10 @@ inline void panel_int4(const uint8_t* c, const S* scale, const S* bias, const In
           fg[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[m]), _mm256_set1_ps(x.scale[(m0 + m) * K / XB + blk]), fg[m]);
       }
       float sw[8], bw[8];
-      for (int r = 0; r < 8; ++r) sw[r] = widen(scale[g * PANEL + 8 * h + r]), bw[r] = widen(bias[g * PANEL + 8 * h + r]);
+      for (int r = 0; r < 8; ++r) {
+        sw[r] = widen(scale[g * PANEL + 8 * h + r]);
+        bw[r] = widen(bias[g * PANEL + 8 * h + r]);
+      }
       for (int m = 0; m < MR; ++m)
         f[m] = _mm256_fmadd_ps(fg[m], _mm256_loadu_ps(sw),
                                _mm256_fmadd_ps(_mm256_loadu_ps(bw), _mm256_set1_ps(x.xsum[(m0 + m) * G + g]), f[m]));
@@ -476,7 +479,8 @@ inline void dequant_panel_row(const uint8_t* c, int64_t r, const float* sc, cons
                                           _mm512_set1_epi32(64));
   const __m512i nib = _mm512_set1_epi8(15);
   // unpacklo/hi_epi32(lo, hi) leave q-steps (0 1 4 5 8 9 12 13) and (2 3 6 7 10 11 14 15) in their 64-bit lanes
-  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
   int64_t g = 0, left = group;  // the current group and the codes left in it
   for (int64_t q0 = 0; q0 < steps; q0 += 16) {
     const __mmask16 mask = q0 + 16 <= steps ? 0xFFFF : static_cast<__mmask16>((1u << (steps - q0)) - 1);
