@@ -19,6 +19,8 @@ from engine.quant.formats import (
     cat,
     default_group_size,
     from_panels,
+    int8_from_panels,
+    int8_to_panels,
     pack_nibbles,
     quantize,
     relative_error,
@@ -30,16 +32,9 @@ ACT_DTYPES = [torch.float32] + ([torch.bfloat16] if cpu_has_fast_bf16() else [])
 # relative error of a kernel's x @ W^T against x @ dequantize(W)^T: fp32 accumulation-order noise, or bf16
 # activations (8-bit mantissa) in the kernels and reference alike
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-# our int8 GEMV (M <= INT8_PACKED_MAX_M) multiplies int16 codes of the activations (one scale per row: steps of
-# absmax / 32767), so in fp32 its error is that rounding's, ~2e-5 for Gaussian x (measured)
-GEMV_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-# our int4 GEMV (M <= INT4_GEMV_MAX_M) multiplies int8 codes of the activations (a scale per 32 values, as
-# llama.cpp's Q8_0): ~5e-3 for Gaussian x (measured 4e-3 - 6e-3), in fp32 and bf16 alike
-INT4_GEMV_TOL = 1e-2
-
-
-def gemv_tol(fmt: str, dtype: torch.dtype) -> float:
-    return INT4_GEMV_TOL if fmt.startswith("int4") else GEMV_TOL[dtype]
+# our int8 and int4 GEMVs (M <= INT8_PACKED_MAX_M / INT4_GEMV_MAX_M) multiply int8 codes of the activations (a
+# scale per 32 values, as llama.cpp's Q8_0): ~5e-3 for Gaussian x (measured 4e-3 - 6e-3), in fp32 and bf16 alike
+GEMV_TOL = 1e-2
 SHAPES = [(64, 128), (960, 576), (576, 1536), (3072, 576)]  # toy, then SmolLM2's qkv, down, gate|up
 
 
@@ -70,6 +65,10 @@ def test_nibbles_and_nf4_levels():
     panels = to_panels(packed)  # our int4 kernels' 16-row layout: 8 codes of 16 rows per 64 bytes
     assert panels.shape == (3, 8 * 96) and torch.equal(from_panels(panels), packed)
     assert panels[0, 4 * 5] == (unpack_nibbles(packed)[5, 0] | unpack_nibbles(packed)[5, 4] << 4)  # row 5, k 0 and 4
+    q = torch.randint(-128, 128, (32, 64), dtype=torch.int8)
+    panels = int8_to_panels(q)  # our int8 kernels' layout: 4 codes of 16 rows per 64 bytes
+    assert panels.shape == (2, 16 * 64) and torch.equal(int8_from_panels(panels), q)
+    assert panels[1, 64 + 4 * 3 + 2] == q[16 + 3, 4 + 2]  # panel 1, step 1, row 3, code 2
     w = (NF4_LEVELS.repeat(4) * 3.0)[None, :]  # every level exactly, block absmax 3
     assert torch.allclose(NF4Weight.quantize(w).dequantize(), w, atol=1e-6)
 
@@ -103,7 +102,7 @@ def test_kernels_match_dequantize_reference(fmt, shape, dtype):
         assert got.dtype == dtype and got.shape == (m, n)
         gemv = (fmt in ("int8", "int8-tensor") and m <= INT8_PACKED_MAX_M) or (
             fmt in ("int4", "int4-tensor") and m <= INT4_GEMV_MAX_M)
-        assert _rel(got, x.float() @ ref_w.t()) < max(tol, gemv_tol(fmt, dtype) if gemv else 0) * 2, (fmt, shape, m)
+        assert _rel(got, x.float() @ ref_w.t()) < max(tol, GEMV_TOL if gemv else 0) * 2, (fmt, shape, m)
 
 
 @pytest.mark.parametrize("dtype", ACT_DTYPES)
@@ -122,29 +121,30 @@ def test_int4_gemv_every_row_count_and_group(group, dtype):
     for m in range(1, INT4_GEMV_MAX_M + 2):
         x = torch.randn(m, k).to(dtype)
         gemv = m <= INT4_GEMV_MAX_M
-        assert _rel(qw.matmul(x), x.float() @ ref_w.t()) < max(tol, INT4_GEMV_TOL if gemv else 0) * 2, (group, m)
+        assert _rel(qw.matmul(x), x.float() @ ref_w.t()) < max(tol, GEMV_TOL if gemv else 0) * 2, (group, m)
 
 
 @pytest.mark.parametrize("dtype", ACT_DTYPES)
 def test_gemv_tails_and_long_rows(dtype):
-    """The GEMVs' edges with full-scale activation codes: an int8 row longer than one int32 accumulation block
-    (4,096 codes) with a ragged tail; an int4 row of 35 activation blocks (not a multiple of 2 or 4) and 4 panels;
-    int4 rows not a multiple of 16 (no panels: torch's kernel or dequantize + GEMM)."""
+    """The GEMVs' edges with full-scale activation codes: long rows of 35 and 257 activation blocks (not a multiple
+    of 2 or 4) over 4 and 3 panels; rows not a multiple of 16, or a K not of 32 (no panels: torch's kernels or
+    dequantize + GEMM)."""
     torch.manual_seed(6)
-    for fmt, (n, k) in (("int8", (40, 8200)), ("int4", (64, 1120)), ("int4", (100, 1152))):
+    for fmt, (n, k) in (("int8", (48, 8224)), ("int8", (40, 8200)), ("int4", (64, 1120)), ("int4", (100, 1152))):
         qw = quantize(torch.randn(n, k) * 0.02, fmt, 32)
         ref_w = qw.dequantize()
         qw.prepare(torch.device("cpu"), dtype)
         for m in range(1, INT8_PACKED_MAX_M + 1):
-            x = torch.randn(m, k).sign().to(dtype) * 3  # every code at full scale (+-32767 / +-127)
-            tol = TOL[qw.kernel_dtype] if getattr(qw, "kernel_dtype", None) else GEMV_TOL[dtype]
+            x = torch.randn(m, k).sign().to(dtype) * 3  # every activation code at full scale (+-127)
+            ours = qw.gemv_operands() is not None
+            tol = GEMV_TOL if ours else TOL[getattr(qw, "kernel_dtype", None) or torch.bfloat16]
             assert _rel(qw.matmul(x), x.float() @ ref_w.t()) < tol * 2, (fmt, n, m)
 
 
 @pytest.mark.parametrize("built", [True, False])
 def test_int8_gemv_odd_widths_and_without_our_kernel(monkeypatch, built):
-    """Our int8 GEMV's K tail (not a multiple of 16) and every M up to the threshold; without the C++ kernels,
-    torch's packed kernel gives the same products."""
+    """Rows not a multiple of 16 and a K not of 32 (no panels) with and without the C++ kernels built: torch's packed
+    kernel at every M up to the threshold."""
     from engine import cpu_kernels
 
     if not built:
@@ -156,7 +156,7 @@ def test_int8_gemv_odd_widths_and_without_our_kernel(monkeypatch, built):
     for m in range(1, INT8_PACKED_MAX_M + 1):
         for dtype in ACT_DTYPES:
             x = torch.randn(m, 100).to(dtype)
-            tol = GEMV_TOL[dtype] if built else TOL[torch.bfloat16]  # torch's kernel may run in bf16
+            tol = TOL[torch.bfloat16]  # torch's kernel may run in bf16
             assert _rel(qw.matmul(x), x.float() @ ref_w.t()) < tol * 2, (m, dtype)
 
 
@@ -179,7 +179,7 @@ def test_int4_without_our_kernel_matches(monkeypatch, zero):
     assert ours.kernel_dtype is None and theirs.kernel_dtype is not None  # two different kernels
     for m in (1, 3):
         x = torch.randn(m, 128)
-        assert _rel(ours.matmul(x), x @ ref_w.t()) < INT4_GEMV_TOL * 2
+        assert _rel(ours.matmul(x), x @ ref_w.t()) < GEMV_TOL * 2
         assert _rel(theirs.matmul(x), x @ ref_w.t()) < TOL[theirs.kernel_dtype] * 2
 
 
@@ -222,10 +222,17 @@ def test_gguf_blocks_map_directly(kind):
         qw.prepare(torch.device("cpu"), torch.float32)
         x = torch.randn(2, shape[1])
         assert _rel(qw.matmul(x), x @ torch.from_numpy(ref).t()) < (
-            TOL[qw.kernel_dtype] if qw.kernel_dtype else INT4_GEMV_TOL)
-    else:  # an embedding lookup returns the dequantized rows
+            TOL[qw.kernel_dtype] if qw.kernel_dtype else GEMV_TOL)
+    else:  # an embedding lookup returns the dequantized rows, and (a tied LM head) the kernels use the Q8_0 scales
         ids = torch.tensor([0, 5, 49151])
         np.testing.assert_allclose(qw.rows(ids, torch.float32).numpy(), ref[ids.numpy()], rtol=1e-6, atol=1e-7)
+        qw.prepare(torch.device("cpu"), torch.float32)
+        assert qw.gemv_operands() is not None  # our int8 panels, with a scale per 32
+        np.testing.assert_allclose(qw.rows(ids, torch.float32).numpy(), ref[ids.numpy()], rtol=1e-6, atol=1e-7)
+        for m in (2, INT8_PACKED_MAX_M + 1):  # the GEMV, then the tiled GEMM
+            x = torch.randn(m, shape[1])
+            tol = GEMV_TOL if m <= INT8_PACKED_MAX_M else TOL[torch.float32]
+            assert _rel(qw.matmul(x), x @ torch.from_numpy(ref).t()) < tol * 2, m
     assert blocks.direct("int8", 32) is None or kind == "Q8_0"  # Q4 blocks do not fit per-row int8
 
 

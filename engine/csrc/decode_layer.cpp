@@ -8,8 +8,8 @@
 //
 // Each projection comes as a list of tensors, its kernel told by the first one's dtype:
 //   float (bf16/fp16/fp32) [weight] or [weight, bias]           -> dense_linear
-//   int8                   [codes, row scale] (+ bias)          -> int8_linear
-//   uint8                  [codes, group scale, group bias] (+ bias) -> int4_linear
+//   int8                   [panel codes, scale] (+ bias)              -> int8_linear
+//   uint8                  [panel codes, group scale, group bias] (+ bias) -> int4_linear
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

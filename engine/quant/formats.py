@@ -116,6 +116,19 @@ def from_panels(panels: torch.Tensor) -> torch.Tensor:
     return pack_nibbles(c)
 
 
+def int8_to_panels(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] -> our int8 kernels' layout [N/16, 16K]: per panel of 16 rows and per 4 codes of K,
+    64 bytes, row r's 4 at 4r (the int4 layout's 64-byte steps, holding 4 codes of a row instead of 8)."""
+    n, k = q.shape
+    return q.view(n // PANEL, PANEL, k // 4, 4).transpose(1, 2).reshape(n // PANEL, PANEL * k)
+
+
+def int8_from_panels(panels: torch.Tensor) -> torch.Tensor:
+    """Inverse of `int8_to_panels`."""
+    p, k = panels.shape[0], panels.shape[1] // PANEL
+    return panels.view(p, k // 4, PANEL, 4).transpose(1, 2).reshape(p * PANEL, k)
+
+
 def _grouped(w: torch.Tensor, group: int) -> torch.Tensor:
     n, k = w.shape
     if k % group:
@@ -175,16 +188,21 @@ class QuantWeight(ABC):
 class Int8Weight(QuantWeight):
     """Symmetric int8 codes with a scale per row, per group along K, or per tensor.
 
-    Per-row is the format `quantize` makes (the packed kernel needs one scale per row); group-wise
-    (group 32) is how llama.cpp's Q8_0 maps here exactly; embeddings use either as a row lookup.
+    Per-row is the format `quantize` makes; group-wise (group 32) is how llama.cpp's Q8_0 maps here exactly;
+    embeddings use either as a row lookup. On the CPU with our kernels, `prepare` reorders the codes into 16-row
+    panels (`int8_to_panels`; engine/csrc/quant_linear.cpp: a GEMV at M <= INT8_PACKED_MAX_M, else a GEMM over
+    cache-sized dequantized tiles) with the scales spelled out per group as [N/16, G, 16]. Without our kernels
+    (or with N not a multiple of 16, or K not of 32) it stays row-major for torch's `_weight_int8pack_mm`.
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, fmt: str = "int8") -> None:
-        self.q = q  # int8 [N, K]
-        self.scale = scale  # fp16 [N, G] (G = 1: per row; 32-blocks from Q8_0), or fp32 [1, 1] per tensor
+        self.q = q  # int8 [N, K]; [N/16, 16K] panels once prepared for our kernels
+        self.scale = scale  # fp16 [N, G] (G = 1: per row; 32-blocks from Q8_0), or fp32 [1, 1]; [N/16, G, 16] panels
         self.format = fmt
         self.shape = (q.shape[0], q.shape[1])
-        self._kernel_scale: torch.Tensor | None = None  # fp32 [N] for the GEMV, when the format allows one
+        self.group = self.shape[1] // scale.shape[1]
+        self._panels = False
+        self._kernel_scale: torch.Tensor | None = None  # fp32 [N] for torch's kernel (per row or tensor, row-major)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, per_tensor: bool = False) -> Int8Weight:
@@ -196,48 +214,63 @@ class Int8Weight(QuantWeight):
         q = torch.round(w / scale.float()).clamp(-128, 127).to(torch.int8)
         return cls(q, scale, "int8-tensor" if per_tensor else "int8")
 
-    @property
-    def group(self) -> int:
-        return self.shape[1] // self.scale.shape[1]
+    def _row_major(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int8 [N, K] codes and [N, G] (or [1, 1]) scales, whichever layout is held."""
+        if not self._panels:
+            return self.q, self.scale
+        return int8_from_panels(self.q), self.scale.transpose(1, 2).reshape(self.shape[0], -1)
 
-    def _dense(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    @staticmethod
+    def _dense(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         n, k = q.shape
         g = scale.shape[1]
         return (q.to(dtype).view(n, g, k // g) * scale.to(dtype)[:, :, None]).view(n, k)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        scale = self.scale.expand(self.shape[0], -1) if self.scale.shape[0] == 1 else self.scale
-        return self._dense(self.q, scale, dtype)
+        q, scale = self._row_major()
+        return self._dense(q, scale.expand(self.shape[0], -1), dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows (an embedding lookup)."""
-        scale = self.scale if self.scale.shape[0] > 1 else self.scale.expand(len(ids), -1)
-        return self._dense(self.q[ids], scale[ids] if self.scale.shape[0] > 1 else scale, dtype)
+        if self._panels:  # row n's 4-byte pieces sit at 4 (n % 16) of every 64-byte step of panel n // 16
+            p, r = ids // PANEL, ids % PANEL
+            q = self.q.view(-1, self.shape[1] // 4, PANEL, 4)[p, :, r].reshape(len(ids), -1)
+            return self._dense(q, self.scale[p, :, r], dtype)
+        scale = self.scale[ids] if self.scale.shape[0] > 1 else self.scale.expand(len(ids), -1)
+        return self._dense(self.q[ids], scale, dtype)
 
     def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
+        if self._panels:  # prepared already (a tied embedding and LM head share one storage)
+            return
         self.q, self.scale = self.q.to(device), self.scale.to(device)
-        if self.scale.shape[1] == 1:  # per row or per tensor: the GEMV applies
-            self._kernel_scale = self.scale.expand(self.shape[0], 1).reshape(-1).float().contiguous()
+        n, k = self.shape
+        if device.type == "cpu" and n % PANEL == 0 and self.group % 32 == 0 and cpu_kernels.load():
+            scale = self.scale.expand(n, -1)
+            sdtype = torch.float32 if scale.dtype == torch.float32 else torch.float16
+            self.scale = scale.to(sdtype).reshape(n // PANEL, PANEL, -1).transpose(1, 2).contiguous()
+            self.q = int8_to_panels(self.q)
+            self._panels = True
+        elif self.scale.shape[1] == 1:  # per row or per tensor: torch's kernel applies
+            self._kernel_scale = self.scale.expand(n, 1).reshape(-1).float().contiguous()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._panels:
+            op = torch.ops.pagedserve.int8_linear if x.shape[0] <= INT8_PACKED_MAX_M else torch.ops.pagedserve.int8_gemm
+            return op(x, self.q, self.scale)
         s = self._kernel_scale
-        if s is None:  # group-wise scales: no kernel takes them
+        if s is None:  # group-wise scales: no kernel of torch's takes them
             return F.linear(x, self.dequantize(x.dtype))
         if x.device.type == "cpu" and x.shape[0] <= INT8_PACKED_MAX_M:
-            if cpu_kernels.load():  # ours: streams the int8 rows at close to memory bandwidth
-                return torch.ops.pagedserve.int8_linear(x, self.q, s)
             # torch's bf16 path returns garbage unless K % 32 == 0 (torch 2.13, seen in the tests): fp32 there
             kd = packed_kernel_dtype("int8", x.dtype) if self.shape[1] % 32 == 0 else torch.float32
             return torch.ops.aten._weight_int8pack_mm(x.to(kd), self.q, s.to(kd)).to(x.dtype)
-        if x.device.type == "cpu" and cpu_kernels.load():  # tile by tile, each converted tile cache-resident
-            return torch.ops.pagedserve.int8_gemm(x, self.q, s)
         # dense GEMM on the int8 codes (exact in bf16/fp32), the per-row scale applied to the output
         return F.linear(x, self.q.to(x.dtype)) * s.to(x.dtype)
 
     def gemv_operands(self) -> tuple[list[torch.Tensor], int] | None:
-        if self._kernel_scale is None or self.q.device.type != "cpu" or not cpu_kernels.load():
+        if not self._panels:
             return None
-        return [self.q, self._kernel_scale], INT8_PACKED_MAX_M
+        return [self.q, self.scale], INT8_PACKED_MAX_M
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.q, self.scale] + ([self._kernel_scale] if self._kernel_scale is not None else [])
