@@ -12,6 +12,7 @@ from engine import cpu_kernels
 from engine.attention.cpu_paged import CpuPagedAttention
 from engine.config import ModelConfig
 from engine.model_runner import _HostBatch
+from engine.quant.formats import INT8_PACKED_MAX_M
 from engine.quant.loading import QuantSpec, quantize_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels did not build")
@@ -77,8 +78,9 @@ def test_fused_layer_leaves_other_steps_to_the_per_op_path(monkeypatch):
     dense, quant = _model(torch.float32, "none", False), _model(torch.float32, "int8", False)
     three = ([19, 5, 7], [1, 1, 1], [20, 6, 8], [[0, 1], [2], [4]])
     assert _run(dense, torch.float32, *three, monkeypatch=monkeypatch)[2] == 0  # the dense GEMV takes <= 2 rows
-    assert _run(quant, torch.float32, *three, monkeypatch=monkeypatch)[2] == 2  # the int8 one <= INT8_PACKED_MAX_M (8)
-    prefill = (list(range(9)), [9], [9], [[0]])
+    assert _run(quant, torch.float32, *three, monkeypatch=monkeypatch)[2] == 2  # the int8 one <= INT8_PACKED_MAX_M
+    n = INT8_PACKED_MAX_M + 1
+    prefill = (list(range(n)), [n], [n], [list(range(-(-n // BLOCK)))])
     assert _run(quant, torch.float32, *prefill, monkeypatch=monkeypatch)[2] == 0
     padded = ([19, 5], [1, 1], [20, 6], [[0, 1], [2]])
     slots = torch.tensor([BLOCK + 3, -1])  # a padding row (slot -1) is the per-op path's to skip

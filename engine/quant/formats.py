@@ -3,16 +3,16 @@
 Every format stores rows (output features) independently, so fused projections are row concatenations
 and llama.cpp's q/k row permutation applies to codes and scales alike.
 
-| format        | storage                                 | bits/weight        | CPU kernel                      |
-|---------------|-----------------------------------------|--------------------|---------------------------------|
-| `int8`        | int8 [N, K], fp16 scale per row         | 8 + 16/K           | ours: GEMV (M <= 8), tiled GEMM |
-| `int8-tensor` | int8 [N, K], one scale                  | 8                  | as int8                         |
-| `int4`        | 4-bit codes, fp16 scale per group of g  | 4 + 16/g           | ours: GEMV (M <= 8), tiled GEMM |
-| `int4-tensor` | 4-bit codes, one scale                  | 4                  | as int4                         |
-| `nf4`         | 4-bit NF4 level index, fp16 absmax / 64 | 4.25               | dequantize + GEMM               |
+| format        | storage                                 | bits/weight        | CPU kernel                       |
+|---------------|-----------------------------------------|--------------------|----------------------------------|
+| `int8`        | int8 [N, K], fp16 scale per row         | 8 + 16/K           | ours: GEMV (M <= 32), tiled GEMM |
+| `int8-tensor` | int8 [N, K], one scale                  | 8                  | as int8                          |
+| `int4`        | 4-bit codes, fp16 scale per group of g  | 4 + 16/g           | ours: GEMV (M <= 32), tiled GEMM |
+| `int4-tensor` | 4-bit codes, one scale                  | 4                  | as int4                          |
+| `nf4`         | 4-bit NF4 level index, fp16 absmax / 64 | 4.25               | dequantize + GEMM                |
 
 "Ours" is engine/csrc/quant_linear.cpp (built by engine.cpu_kernels); where it cannot be built, torch's
-`_weight_int8pack_mm` (M <= 4) and `_weight_int4pack_mm_for_cpu` (every M, its own machine-specific layout,
+`_weight_int8pack_mm` (M <= 8) and `_weight_int4pack_mm_for_cpu` (every M, its own machine-specific layout,
 see `Int4Weight`) take over, and large M for int8 dequantizes then runs a dense GEMM. CUDA always does that.
 
 torch's packed CPU kernels are fast with bf16 activations and 5-25x slower with fp32 ones on the AVX-512
@@ -39,10 +39,13 @@ FORMATS = ("int8", "int8-tensor", "int4", "int4-tensor", "nf4")
 NF4_BLOCK = 64
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes `_weight_int4pack_mm_for_cpu` takes
 # At M <= this our GEMVs win; above, codes -> activation dtype tile by tile + dense GEMM does (the GEMV's cost
-# grows with M while the GEMM's barely does). Zen 4, bf16, 1536x576 and 576x1536: at M = 8 the GEMVs took
-# 0.10 ms (int8) and 0.10-0.11 ms (int4) vs 0.17-0.29 ms for the tiled GEMMs; they break even at M ~ 12-16.
-INT8_PACKED_MAX_M = 8
-INT4_GEMV_MAX_M = 8
+# grows with M while the GEMM's barely does). Sapphire Rapids (AMX: the GEMMs at their fastest), bf16, at M = 16
+# the GEMVs took a third to a half of the tiled GEMMs' time; they break even at M ~ 32-48 for 576x1536 and
+# 960x576, ~64 for 3072x576 and a 49152-row head. The GEMVs compute on VNNI int8, which a CPU without AMX (where
+# the GEMM is slower) has as well: 32 is on the safe side of both.
+INT8_PACKED_MAX_M = 32
+INT4_GEMV_MAX_M = 32
+TORCH_INT8_MAX_M = 8  # torch's `_weight_int8pack_mm` (where ours cannot serve), as measured on Zen 4
 
 # QLoRA's NF4 levels: quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
 NF4_LEVELS = torch.tensor([
@@ -260,7 +263,7 @@ class Int8Weight(QuantWeight):
         s = self._kernel_scale
         if s is None:  # group-wise scales: no kernel of torch's takes them
             return F.linear(x, self.dequantize(x.dtype))
-        if x.device.type == "cpu" and x.shape[0] <= INT8_PACKED_MAX_M:
+        if x.device.type == "cpu" and x.shape[0] <= TORCH_INT8_MAX_M:
             # torch's bf16 path returns garbage unless K % 32 == 0 (torch 2.13, seen in the tests): fp32 there
             kd = packed_kernel_dtype("int8", x.dtype) if self.shape[1] % 32 == 0 else torch.float32
             return torch.ops.aten._weight_int8pack_mm(x.to(kd), self.q, s.to(kd)).to(x.dtype)

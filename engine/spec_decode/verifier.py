@@ -49,7 +49,7 @@ def verify(logits: torch.Tensor, draft: list[int], req: SampleRequest, generator
     assert logits.shape[0] == k + 1
     logits = target_logits(logits.float(), draft, req)
     if req.params.greedy:
-        target = logits.argmax(dim=-1).tolist()
+        target = logits.max(dim=-1).indices.tolist()
         n = 0
         while n < k and draft[n] == target[n]:
             n += 1
@@ -89,7 +89,7 @@ def verify_batch(logits: torch.Tensor, drafts: list[list[int]], reqs: list[Sampl
     out: list[list[int]] = [[] for _ in drafts]
     if plain:
         rows = torch.tensor([starts[j] + i for j in plain for i in range(len(drafts[j]) + 1)], device=logits.device)
-        target = logits[rows].argmax(dim=-1).tolist()
+        target = logits[rows].max(dim=-1).indices.tolist()
         at = 0
         for j in plain:
             d = drafts[j]
