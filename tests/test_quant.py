@@ -35,6 +35,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # our int8 and int4 GEMVs (M <= INT8_PACKED_MAX_M / INT4_GEMV_MAX_M) multiply int8 codes of the activations (a
 # scale per 32 values, as llama.cpp's Q8_0): ~5e-3 for Gaussian x (measured 4e-3 - 6e-3), in fp32 and bf16 alike
 GEMV_TOL = 1e-2
+# every split of a GEMV's rows into passes of 8, 4 and 1-3 rows, the threshold and the first GEMM row count
+ROW_COUNTS = [*range(1, 18), 31, INT8_PACKED_MAX_M, INT8_PACKED_MAX_M + 1]
 SHAPES = [(64, 128), (960, 576), (576, 1536), (3072, 576)]  # toy, then SmolLM2's qkv, down, gate|up
 
 
@@ -96,7 +98,7 @@ def test_kernels_match_dequantize_reference(fmt, shape, dtype):
     # zeros kept in bf16: that kernel's tolerance
     tol = TOL[getattr(qw, "kernel_dtype", None) or dtype]
     assert torch.allclose(qw.dequantize(), ref_w, rtol=tol, atol=tol * ref_w.abs().max().item())
-    for m in (1, 5, INT8_PACKED_MAX_M, INT8_PACKED_MAX_M + 1, 64):
+    for m in (1, 5, 9, INT8_PACKED_MAX_M, INT8_PACKED_MAX_M + 1):
         x = torch.randn(m, k).to(dtype)
         got = qw.matmul(x)
         assert got.dtype == dtype and got.shape == (m, n)
@@ -108,7 +110,7 @@ def test_kernels_match_dequantize_reference(fmt, shape, dtype):
 @pytest.mark.parametrize("dtype", ACT_DTYPES)
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_gemv_every_row_count_and_group(group, dtype):
-    """The int4 GEMV's row splits: M = 1 .. INT4_GEMV_MAX_M + 1 (up to the first GEMM row count), every group size
+    """The int4 GEMV's row splits (ROW_COUNTS, up to the first GEMM row count), every group size
     (one activation scale per weight group, or 2 or 4 of them), and a Q4_1-style zero folded into the bias."""
     torch.manual_seed(5)
     n, k = 112, 1152
@@ -118,7 +120,7 @@ def test_int4_gemv_every_row_count_and_group(group, dtype):
     ref_w = qw.dequantize()
     qw.prepare(torch.device("cpu"), dtype)
     tol = TOL[getattr(qw, "kernel_dtype", None) or dtype]
-    for m in range(1, INT4_GEMV_MAX_M + 2):
+    for m in ROW_COUNTS:
         x = torch.randn(m, k).to(dtype)
         gemv = m <= INT4_GEMV_MAX_M
         assert _rel(qw.matmul(x), x.float() @ ref_w.t()) < max(tol, GEMV_TOL if gemv else 0) * 2, (group, m)
@@ -134,7 +136,7 @@ def test_gemv_tails_and_long_rows(dtype):
         qw = quantize(torch.randn(n, k) * 0.02, fmt, 32)
         ref_w = qw.dequantize()
         qw.prepare(torch.device("cpu"), dtype)
-        for m in range(1, INT8_PACKED_MAX_M + 1):
+        for m in ROW_COUNTS:
             x = torch.randn(m, k).sign().to(dtype) * 3  # every activation code at full scale (+-127)
             ours = qw.gemv_operands() is not None
             tol = GEMV_TOL if ours else TOL[getattr(qw, "kernel_dtype", None) or torch.bfloat16]
@@ -153,7 +155,7 @@ def test_int8_gemv_odd_widths_and_without_our_kernel(monkeypatch, built):
     qw = Int8Weight.quantize(torch.randn(37, 100))
     ref_w = qw.dequantize()
     qw.prepare(torch.device("cpu"), torch.float32)
-    for m in range(1, INT8_PACKED_MAX_M + 1):
+    for m in ROW_COUNTS:
         for dtype in ACT_DTYPES:
             x = torch.randn(m, 100).to(dtype)
             tol = TOL[torch.bfloat16]  # torch's kernel may run in bf16

@@ -140,33 +140,37 @@ inline void panel_dot(const uint8_t* c, const S* scale, const S* bias, const Int
     __m512 fg[MR];
     for (int m = 0; m < MR; ++m) fg[m] = _mm512_setzero_ps();
     for (int64_t e = blk + bpg; blk < e; ++blk) {
-      __m512i t[MR][2];  // two chains per row: the multiply-adds of a block are not one dependent sequence
-      for (int m = 0; m < MR; ++m) t[m][0] = t[m][1] = _mm512_setzero_si512();
+      // two chains per row for up to 4 rows (a block's multiply-adds are not then one dependent sequence), one for
+      // 8 rows, whose 8 chains are independent enough and whose registers would not hold 16
+      constexpr int CH = MR <= 4 ? 2 : 1;
+      __m512i t[MR][CH];
+      for (int m = 0; m < MR; ++m)
+        for (int h = 0; h < CH; ++h) t[m][h] = _mm512_setzero_si512();
       for (int q = 0; q < STEPS; ++q) {
         const __m512i b = _mm512_loadu_si512(c + (blk * STEPS + q) * 64);
         if constexpr (BITS == 4) {
           const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
           for (int m = 0; m < MR; ++m) {
             const int8_t* a = xq[m] + blk * XB + 8 * q;
-            t[m][q & 1] = PAGEDSERVE_DPBUSD(t[m][q & 1], lo, _mm512_set1_epi32(load4(a)));
-            t[m][q & 1] = PAGEDSERVE_DPBUSD(t[m][q & 1], hi, _mm512_set1_epi32(load4(a + 4)));
+            t[m][q % CH] = PAGEDSERVE_DPBUSD(t[m][q % CH], lo, _mm512_set1_epi32(load4(a)));
+            t[m][q % CH] = PAGEDSERVE_DPBUSD(t[m][q % CH], hi, _mm512_set1_epi32(load4(a + 4)));
           }
         } else if constexpr (INT8_OFFSET) {
           const __m512i u = _mm512_xor_si512(b, flip);
           for (int m = 0; m < MR; ++m)
-            t[m][q & 1] = PAGEDSERVE_DPBUSD(t[m][q & 1], u, _mm512_set1_epi32(load4(xq[m] + blk * XB + 4 * q)));
+            t[m][q % CH] = PAGEDSERVE_DPBUSD(t[m][q % CH], u, _mm512_set1_epi32(load4(xq[m] + blk * XB + 4 * q)));
         } else {
           const __m512i u = _mm512_abs_epi8(b);
           const __mmask64 neg = _mm512_movepi8_mask(b);
           for (int m = 0; m < MR; ++m) {
             const __m512i a = _mm512_set1_epi32(load4(xq[m] + blk * XB + 4 * q));
-            t[m][q & 1] = PAGEDSERVE_DPBUSD(t[m][q & 1], u, _mm512_mask_sub_epi8(a, neg, _mm512_setzero_si512(), a));
+            t[m][q % CH] = PAGEDSERVE_DPBUSD(t[m][q % CH], u, _mm512_mask_sub_epi8(a, neg, _mm512_setzero_si512(), a));
           }
         }
       }
       for (int m = 0; m < MR; ++m)
-        fg[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t[m][0], t[m][1])), _mm512_set1_ps(xs[m][blk]),
-                                fg[m]);
+        fg[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(CH == 2 ? _mm512_add_epi32(t[m][0], t[m][CH - 1]) : t[m][0]),
+                                _mm512_set1_ps(xs[m][blk]), fg[m]);
     }
     const __m512 sw = load16(scale + g * PANEL);
     __m512 bw;
@@ -269,19 +273,26 @@ inline void panel_dot(const uint8_t* c, const S* scale, const S* bias, const Int
 }
 #endif
 
+#ifdef PAGEDSERVE_AVX512
+constexpr int64_t MR_MAX = 8;  // activation rows per pass over a panel
+#else
+constexpr int64_t MR_MAX = 4;  // 16 AVX2 registers
+#endif
+
 template <int BITS, typename T, typename S>
 void panel_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S* scale, const S* bias,
                        int64_t N, int64_t G, T* out) {
   const Int8Blocks xq = quantize_blocks(x, M, K, G);
   at::parallel_for(0, N / PANEL, 1, [&](int64_t p0, int64_t p1) {
-    float y[4][PANEL];
+    float y[MR_MAX][PANEL];
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* c = codes + p * PANEL * K * BITS / 8;
       const S* sc = scale + p * G * PANEL;
       const S* bi = bias ? bias + p * G * PANEL : nullptr;
-      for (int64_t m = 0; m < M; m += 4) {  // the panel's codes reused from L1 by up to 4 activation rows
-        const int64_t mr = std::min<int64_t>(4, M - m);
+      for (int64_t m = 0, mr; m < M; m += mr) {  // the panel's codes reused from L1 by up to MR_MAX activation rows
+        mr = std::min<int64_t>(M - m, M - m >= MR_MAX ? MR_MAX : 4);
         switch (mr) {
+          case 8: panel_dot<BITS, 8>(c, sc, bi, xq, m, K, G, y); break;
           case 4: panel_dot<BITS, 4>(c, sc, bi, xq, m, K, G, y); break;
           case 3: panel_dot<BITS, 3>(c, sc, bi, xq, m, K, G, y); break;
           case 2: panel_dot<BITS, 2>(c, sc, bi, xq, m, K, G, y); break;

@@ -5,9 +5,9 @@ and llama.cpp's q/k row permutation applies to codes and scales alike.
 
 | format        | storage                                 | bits/weight        | CPU kernel                       |
 |---------------|-----------------------------------------|--------------------|----------------------------------|
-| `int8`        | int8 [N, K], fp16 scale per row         | 8 + 16/K           | ours: GEMV (M <= 32), tiled GEMM |
+| `int8`        | int8 [N, K], fp16 scale per row         | 8 + 16/K           | ours: GEMV (M <= 64), tiled GEMM |
 | `int8-tensor` | int8 [N, K], one scale                  | 8                  | as int8                          |
-| `int4`        | 4-bit codes, fp16 scale per group of g  | 4 + 16/g           | ours: GEMV (M <= 32), tiled GEMM |
+| `int4`        | 4-bit codes, fp16 scale per group of g  | 4 + 16/g           | ours: GEMV (M <= 64), tiled GEMM |
 | `int4-tensor` | 4-bit codes, one scale                  | 4                  | as int4                          |
 | `nf4`         | 4-bit NF4 level index, fp16 absmax / 64 | 4.25               | dequantize + GEMM                |
 
@@ -39,12 +39,12 @@ FORMATS = ("int8", "int8-tensor", "int4", "int4-tensor", "nf4")
 NF4_BLOCK = 64
 INT4_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes `_weight_int4pack_mm_for_cpu` takes
 # At M <= this our GEMVs win; above, codes -> activation dtype tile by tile + dense GEMM does (the GEMV's cost
-# grows with M while the GEMM's barely does). Sapphire Rapids (AMX: the GEMMs at their fastest), bf16, at M = 16
-# the GEMVs took a third to a half of the tiled GEMMs' time; they break even at M ~ 32-48 for 576x1536 and
-# 960x576, ~64 for 3072x576 and a 49152-row head. The GEMVs compute on VNNI int8, which a CPU without AMX (where
-# the GEMM is slower) has as well: 32 is on the safe side of both.
-INT8_PACKED_MAX_M = 32
-INT4_GEMV_MAX_M = 32
+# grows with M while the GEMM's barely does). Sapphire Rapids (AMX: the GEMMs at their fastest), bf16, int8, M = 64:
+# GEMV 0.29 ms vs tiled 0.40 ms for 3072x576, 0.11 vs 0.12 for 960x576, 4.9 vs 6.1 for a 49152-row head; only
+# 576x1536 lost (0.22 vs 0.18); at M = 96 they break even. The GEMVs compute on VNNI int8, which a CPU without AMX
+# (where the GEMM is slower) has as well.
+INT8_PACKED_MAX_M = 64
+INT4_GEMV_MAX_M = 64
 TORCH_INT8_MAX_M = 8  # torch's `_weight_int8pack_mm` (where ours cannot serve), as measured on Zen 4
 
 # QLoRA's NF4 levels: quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
