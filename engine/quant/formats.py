@@ -242,12 +242,16 @@ class Int8Weight(QuantWeight):
         scale = self.scale[ids] if self.scale.shape[0] > 1 else self.scale.expand(len(ids), -1)
         return self._dense(self.q[ids], scale, dtype)
 
+    def kernels_take(self, device: torch.device) -> bool:
+        """Whether our CPU kernels serve this matrix on `device` (any scale layout: per row, per 32, per tensor)."""
+        return device.type == "cpu" and self.shape[0] % PANEL == 0 and self.group % 32 == 0 and cpu_kernels.load()
+
     def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
         if self._panels:  # prepared already (a tied embedding and LM head share one storage)
             return
         self.q, self.scale = self.q.to(device), self.scale.to(device)
-        n, k = self.shape
-        if device.type == "cpu" and n % PANEL == 0 and self.group % 32 == 0 and cpu_kernels.load():
+        n = self.shape[0]
+        if self.kernels_take(device):
             scale = self.scale.expand(n, -1)
             sdtype = torch.float32 if scale.dtype == torch.float32 else torch.float16
             self.scale = scale.to(sdtype).reshape(n // PANEL, PANEL, -1).transpose(1, 2).contiguous()

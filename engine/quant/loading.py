@@ -159,8 +159,8 @@ def load(model, weights: Iterable[tuple[str, torch.Tensor | GGUFBlocks]], spec: 
             if spec.lm_head and short == "embed_tokens.weight":
                 emb = to_quant(t, embedding=True)
                 model.embed_tokens = QuantEmbedding(emb, dtype, device)
-                if tied:  # one int8 per-row copy serves both where the formats agree
-                    same = spec.head_format == "int8" and emb.group == emb.shape[1]
+                if tied:  # one int8 copy serves both where the formats agree (per row, or Q8_0 where our kernels run)
+                    same = spec.head_format == "int8" and (emb.group == emb.shape[1] or emb.kernels_take(device))
                     head = emb if same else to_quant(t, head=True)
                     model.lm_head.set_weight(head, device, dtype)
                 continue
