@@ -1,5 +1,6 @@
 """pagedserve's engine: paged KV cache, prefix caching, continuous batching."""
 
+from engine import allocator  # noqa: F401  (first: before anything large is allocated)
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, make_config
 from engine.errors import ContextLengthExceededError, InvalidRequestError, ModelLoadError
 from engine.llm_engine import LLM, GenerationResult, LLMEngine, RequestOutput
