@@ -308,44 +308,58 @@ void panel_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, c
   });
 }
 
-// int4: codes uint8 [N / 16, 8 K], scale and bias [N / 16, G, 16]; int8: codes int8 [N / 16, 16 K], scale
-// [N / 16, G, 16], no bias. fp16 or fp32 scales, groups a multiple of 32.
-void check_panels(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                  const std::optional<at::Tensor>& bias, int bits, const char* op) {
-  const auto code_type = bits == 4 ? at::kByte : at::kChar;
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && codes.scalar_type() == code_type &&
-                  codes.size(1) == PANEL * bits / 8 * x.size(1),
-              op, ": x [M, K], codes ", bits == 4 ? "uint8 [N / 16, 8 K]" : "int8 [N / 16, 16 K]", " (16-row panels)");
-  const int64_t K = x.size(1);
-  TORCH_CHECK((scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat) && scale.dim() == 3 &&
-                  scale.size(0) == codes.size(0) && scale.size(2) == PANEL && K % scale.size(1) == 0 &&
-                  (K / scale.size(1)) % XB == 0,
-              op, ": fp16 or fp32 scale [N / 16, G, 16] with groups a multiple of 32");
-  TORCH_CHECK(bias.has_value() == (bits == 4) &&
-                  (!bias || (bias->scalar_type() == scale.scalar_type() && bias->sizes() == scale.sizes())),
-              op, ": int4 takes a bias shaped and typed as its scale, int8 none");
-}
+// A panel op's operands, checked and contiguous. int4: codes uint8 [N / 16, 8 K], scale and bias [N / 16, G, 16];
+// int8: codes int8 [N / 16, 16 K], scale [N / 16, G, 16], no bias. fp16 or fp32 scales, groups a multiple of 32.
+struct Panels {
+  at::Tensor x, codes, scale, bias;  // bias undefined for int8
+  int64_t K, N, G;
+
+  Panels(const at::Tensor& x_, const at::Tensor& codes_, const at::Tensor& scale_,
+         const std::optional<at::Tensor>& bias_, int bits, const char* op) {
+    const auto code_type = bits == 4 ? at::kByte : at::kChar;
+    TORCH_CHECK(x_.dim() == 2 && codes_.dim() == 2 && codes_.scalar_type() == code_type &&
+                    codes_.size(1) == PANEL * bits / 8 * x_.size(1),
+                op, ": x [M, K], codes ", bits == 4 ? "uint8 [N / 16, 8 K]" : "int8 [N / 16, 16 K]",
+                " (16-row panels)");
+    K = x_.size(1);
+    TORCH_CHECK((scale_.scalar_type() == at::kHalf || scale_.scalar_type() == at::kFloat) && scale_.dim() == 3 &&
+                    scale_.size(0) == codes_.size(0) && scale_.size(2) == PANEL && K % scale_.size(1) == 0 &&
+                    (K / scale_.size(1)) % XB == 0,
+                op, ": fp16 or fp32 scale [N / 16, G, 16] with groups a multiple of 32");
+    TORCH_CHECK(bias_.has_value() == (bits == 4) &&
+                    (!bias_ || (bias_->scalar_type() == scale_.scalar_type() && bias_->sizes() == scale_.sizes())),
+                op, ": int4 takes a bias shaped and typed as its scale, int8 none");
+    x = x_.contiguous(), codes = codes_.contiguous(), scale = scale_.contiguous();
+    bias = bias_ ? bias_->contiguous() : at::Tensor();
+    N = codes.size(0) * PANEL, G = scale.size(1);
+  }
+  const uint8_t* c() const { return static_cast<const uint8_t*>(codes.data_ptr()); }
+  template <typename S>
+  const S* bias_or_null() const {
+    return bias.defined() ? bias.data_ptr<S>() : nullptr;
+  }
+  // fn(T{}, S{}) for x's dtype T and the scales' dtype S
+  template <typename Fn>
+  void dispatch(Fn&& fn) const {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "panels", [&] {
+      if (scale.scalar_type() == at::kHalf)
+        fn(scalar_t{}, at::Half{});
+      else
+        fn(scalar_t{}, float{});
+    });
+  }
+};
 
 template <int BITS>
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                         const std::optional<at::Tensor>& bias) {
-  check_panels(x, codes, scale, bias, BITS, BITS == 4 ? "int4_linear" : "int8_linear");
-  const int64_t K = x.size(1), N = codes.size(0) * PANEL, G = scale.size(1);
-  const auto xc = x.contiguous();
-  const auto cc = codes.contiguous();
-  const auto sc = scale.contiguous();
-  const auto bc = bias ? bias->contiguous() : at::Tensor();
-  const auto* c = static_cast<const uint8_t*>(cc.data_ptr());
-  auto out = at::empty({x.size(0), N}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "panel_linear", [&] {
-    if (scale.scalar_type() == at::kHalf) {
-      panel_linear_impl<BITS, scalar_t, at::Half>(xc.data_ptr<scalar_t>(), x.size(0), K, c, sc.data_ptr<at::Half>(),
-                                                  bias ? bc.data_ptr<at::Half>() : nullptr, N, G,
-                                                  out.data_ptr<scalar_t>());
-    } else {
-      panel_linear_impl<BITS, scalar_t, float>(xc.data_ptr<scalar_t>(), x.size(0), K, c, sc.data_ptr<float>(),
-                                               bias ? bc.data_ptr<float>() : nullptr, N, G, out.data_ptr<scalar_t>());
-    }
+  const Panels a(x, codes, scale, bias, BITS, BITS == 4 ? "int4_linear" : "int8_linear");
+  auto out = at::empty({x.size(0), a.N}, x.options());
+  a.dispatch([&](auto t, auto s) {
+    using T = decltype(t);
+    using S = decltype(s);
+    panel_linear_impl<BITS, T, S>(a.x.data_ptr<T>(), x.size(0), a.K, a.c(), a.scale.data_ptr<S>(),
+                                  a.bias_or_null<S>(), a.N, a.G, out.data_ptr<T>());
   });
   return out;
 }
@@ -467,30 +481,21 @@ void dequant_rows(const uint8_t* codes, const S* scale, const S* bias, int64_t K
 template <int BITS>
 at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                       const std::optional<at::Tensor>& bias) {
-  check_panels(x, codes, scale, bias, BITS, BITS == 4 ? "int4_gemm" : "int8_gemm");
-  const int64_t K = x.size(1), N = codes.size(0) * PANEL, G = scale.size(1);
-  const auto xc = x.contiguous();
-  const auto cc = codes.contiguous();
-  const auto sc = scale.contiguous();
-  const auto bc = bias ? bias->contiguous() : at::Tensor();
-  const auto* c = static_cast<const uint8_t*>(cc.data_ptr());
+  const Panels a(x, codes, scale, bias, BITS, BITS == 4 ? "int4_gemm" : "int8_gemm");
+  const int64_t K = a.K, N = a.N;
   const int64_t TN = std::max<int64_t>(64, ((TILE_KIB << 10) / (K * x.element_size())) / PANEL * PANEL);
   auto out = at::empty({x.size(0), N}, x.options());
   auto tile = at::empty({std::min(TN, N), K}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += TN) {
     const int64_t n1 = std::min(N, n0 + TN);
     auto t = tile.narrow(0, 0, n1 - n0);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "panel_gemm", [&] {
-      if (scale.scalar_type() == at::kHalf) {
-        dequant_rows<BITS, scalar_t, at::Half>(c, sc.data_ptr<at::Half>(), bias ? bc.data_ptr<at::Half>() : nullptr,
-                                               K, G, n0, n1, t.data_ptr<scalar_t>());
-      } else {
-        dequant_rows<BITS, scalar_t, float>(c, sc.data_ptr<float>(), bias ? bc.data_ptr<float>() : nullptr, K, G,
-                                            n0, n1, t.data_ptr<scalar_t>());
-      }
+    a.dispatch([&](auto tt, auto s) {
+      using T = decltype(tt);
+      using S = decltype(s);
+      dequant_rows<BITS, T, S>(a.c(), a.scale.data_ptr<S>(), a.bias_or_null<S>(), K, a.G, n0, n1, t.data_ptr<T>());
     });
     auto dst = out.narrow(1, n0, n1 - n0);
-    at::mm_out(dst, xc, t.t());
+    at::mm_out(dst, a.x, t.t());
   }
   return out;
 }
