@@ -163,8 +163,8 @@ class SchedulerConfig:
                       choices=("continuous", "static"))
     max_step_ms: float | None = opt(None, "step-time target in ms: prefill chunks are sized by the measured step-cost "
                                           "model to keep steps under it (default: twice the running decodes' own "
-                                          "cost; 0: off, token budget only; the offline LLM "
-                                          "class defaults to 0)")
+                                          "cost, with room for at least 512 prompt tokens; 0: off, token budget "
+                                          "only; the offline LLM class defaults to 0)")
 
     def __post_init__(self) -> None:
         if self.policy not in ("continuous", "static"):

@@ -1,20 +1,25 @@
 """Token-granularity scheduler: who runs this step, and how many of their tokens.
 
-Each step: running sequences first (oldest first), then waiting ones are admitted FCFS, within
-`max_num_seqs` sequences and `max_num_batched_tokens` tokens. A sequence's share is
-`min(num_tokens - num_computed_tokens, budget left)`, so long prompts are prefilled in chunks and
-prefill and decode share a step. Prefill tokens also have a time budget: with a fitted step-cost model
-(engine/step_cost.py) a step takes only as many as fit in the step-time target next to its decodes, but
-always at least MIN_PREFILL_TOKENS, oldest prompt first, so no prompt starves (a running prompt that
-finds the time budget spent sits the step out). When blocks run out the newest running sequence is preempted
-(blocks freed, recomputed later from the front of the queue); nothing new is admitted that step.
-Pure Python: tested without a model.
+Each step: running sequences first (oldest first), then waiting ones are admitted in deadline order,
+within `max_num_seqs` sequences and `max_num_batched_tokens` tokens. A waiting request's deadline is its
+arrival time plus its prompt's estimated prefill time (the step-cost model's measured ms per prompt token),
+fixed when it is queued: among requests that arrive together the shortest prompt goes first, which is what
+brings the median time to first token down in a burst, yet a request is only ever overtaken by requests
+that arrived before its own deadline, so a long prompt waits at most its own prefill time longer than
+first-come-first-served would make it wait. Nobody overtakes the head of the queue when it does not fit.
+A sequence's share is `min(num_tokens - num_computed_tokens, budget left)`, so long prompts are prefilled
+in chunks and prefill and decode share a step. Prefill tokens also have a time budget: with a fitted
+step-cost model (engine/step_cost.py) a step takes only as many as fit in the step-time target next to
+its decodes, but always at least MIN_PREFILL_TOKENS, oldest prompt first, so no prompt starves (a running
+prompt that finds the time budget spent sits the step out). When blocks run out the newest running
+sequence is preempted (blocks freed, recomputed later ahead of every request not yet started); nothing
+new is admitted that step. Pure Python: tested without a model.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -23,6 +28,12 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.step_cost import StepCostModel
 
 MIN_PREFILL_TOKENS = 32  # per step, whatever the time target: prompts always advance
+# ... and with the default target (twice the decodes' cost), at least this many: with few streams running,
+# twice their cost is a sliver of a step, and prompts arriving in a burst crawled in through it (measured:
+# time to first token doubled). 512 tokens is a GEMM-efficient chunk; on a 2-core Zen 4 it is ~0.4 s.
+DEFAULT_MIN_PREFILL_TOKENS = 512
+# A deadline's prefill estimate before the cost model has timed any prefill: a CPU's order of magnitude
+DEFAULT_PREFILL_MS_PER_TOKEN = 1.0
 
 
 @dataclass(slots=True)
@@ -43,20 +54,28 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of which found in the cache
 
 
+def admission_key(seq: Sequence) -> tuple[bool, float]:
+    """Waiting order: preempted sequences first (they had been admitted already), then by deadline."""
+    return seq.num_preemptions == 0, seq.deadline
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  cost_model: StepCostModel | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.cost_model = cost_model
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[Sequence] = []  # by admission_key
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
 
     # ---- queue operations ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if seq.deadline is None:
+            per_token = self.cost_model.ms_per_prefill_token() if self.cost_model is not None else None
+            seq.deadline = seq.arrival_time + seq.num_tokens * (per_token or DEFAULT_PREFILL_MS_PER_TOKEN) / 1e3
+        bisect.insort(self.waiting, seq, key=admission_key)
 
     def abort(self, request_id: str) -> Sequence | None:
         for queue in (self.waiting, self.running):
@@ -134,8 +153,8 @@ class Scheduler:
                 n = min(n, prefill_budget) if n > 1 else n
                 prefill_budget -= n
                 if not bm.can_allocate(seq, n, cached):
-                    break  # FCFS: nobody overtakes the head of the queue
-                self.waiting.popleft()
+                    break  # nobody overtakes the head of the queue
+                self.waiting.pop(0)
                 bm.allocate(seq, n, cached)
                 seq.num_cached_tokens = len(cached) * bm.block_size
                 self.stats.prefix_cache_queries += seq.num_tokens
@@ -157,7 +176,7 @@ class Scheduler:
             return unlimited
         decodes = [s.num_tokens for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         fit = self.cost_model.prefill_tokens_within(target, len(decodes), sum(decodes))
-        return unlimited if fit is None else max(fit, MIN_PREFILL_TOKENS)
+        return unlimited if fit is None else max(fit, MIN_PREFILL_TOKENS if target else DEFAULT_MIN_PREFILL_TOKENS)
 
     def _may_admit(self) -> bool:
         # static batching: a new batch forms only when the previous one has fully drained
@@ -170,13 +189,12 @@ class Scheduler:
         self.stats.prompt_tokens_computed += min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free everything and requeue at the front; it is recomputed (prefix cache permitting)."""
+        """Free everything and requeue ahead of the unstarted; it is recomputed (prefix cache permitting)."""
         self.block_manager.free(seq)
         seq.spec_token_ids.clear()
-        seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.add(seq)
 
     def update(self, out: SchedulerOutput, sampled: list[int | list[int] | None]) -> list[Sequence]:
         """Advance computed counts, append sampled tokens, finish on token-level stops.

@@ -37,6 +37,8 @@ class Sequence:
     max_tokens: int  # resolved against the context length
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
+    # admission order (scheduler): arrival + the prompt's estimated prefill time, set when first queued
+    deadline: float | None = None
 
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

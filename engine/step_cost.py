@@ -9,7 +9,8 @@ question: how many prefill tokens fit in this step's time target next to these d
 
 The default target (`max_step_ms` unset) is twice the predicted cost of the step's decodes alone, so a
 running stream at most about doubles its inter-token time while prompts are admitted, and prompts still
-get half of every step. With no decodes running there is nothing to protect and the token budget rules.
+get half of every step (and never less than the scheduler's DEFAULT_MIN_PREFILL_TOKENS). With no decodes
+running there is nothing to protect and the token budget rules.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ class StepCostModel:
         if coef[1] <= 0:
             return  # prefill looks free: no basis for sizing chunks
         self.coef = coef
+
+    def ms_per_prefill_token(self) -> float | None:
+        return None if self.coef is None else float(self.coef[1])
 
     def predict(self, shape: StepShape) -> float | None:
         return None if self.coef is None else float(np.dot(self.coef, shape.row()))

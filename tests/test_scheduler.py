@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import DEFAULT_PREFILL_MS_PER_TOKEN, Scheduler, admission_key
 from engine.sequence import Sequence, SequenceStatus
 
 EOS = 0
@@ -102,6 +102,96 @@ def test_no_admission_in_a_step_that_preempted():
     out = step(s)  # a needs a 3rd block: b is preempted, and c must not sneak in
     assert out.num_preempted == 1 and c.status is SequenceStatus.WAITING
     assert list(s.waiting)[:2] == [b, c]  # b goes back in front of c
+
+
+def timed_seq(sid, prompt_len, max_tokens, arrival):
+    q = seq(sid, prompt_len, max_tokens)
+    q.arrival_time = arrival
+    return q
+
+
+def test_a_burst_is_admitted_shortest_prompt_first():
+    s = make(max_num_seqs=1, budget=64)
+    burst = [timed_seq(0, 30, 2, 5.0), timed_seq(1, 5, 2, 5.0), timed_seq(2, 12, 2, 5.0), timed_seq(3, 5, 2, 5.0)]
+    for q in burst:
+        s.add(q)
+    while s.has_unfinished():
+        step(s)
+    order = sorted(burst, key=lambda q: q.first_scheduled_time)
+    assert [q.seq_id for q in order] == [1, 3, 2, 0]  # equal prompts keep their arrival order
+
+
+def test_a_long_prompt_is_overtaken_only_before_its_deadline():
+    """Short prompts keep arriving; the long one is passed only by those that came before its deadline."""
+    s = make(num_blocks=256, max_num_seqs=1, budget=256)
+    per_token = DEFAULT_PREFILL_MS_PER_TOKEN / 1e3
+    long = timed_seq(0, 100, 1, 0.0)
+    s.add(long)
+    assert long.deadline == 100 * per_token
+    # one already running keeps the single slot busy while the others queue up
+    s.add(timed_seq(1, 4, 30, -1.0))
+    step(s)
+    shorts = [timed_seq(2 + i, 4, 1, (10 + 10 * i) * per_token) for i in range(20)]  # arriving every 10 tokens' time
+    for q in shorts:
+        s.add(q)
+    while s.has_unfinished():
+        step(s)
+    passed = [q for q in shorts if q.first_scheduled_time < long.first_scheduled_time]
+    assert passed and all(q.deadline <= long.deadline for q in passed)
+    assert all(q.first_scheduled_time > long.first_scheduled_time for q in shorts if q.deadline > long.deadline)
+
+
+def test_preempted_sequences_resume_before_any_new_request():
+    s = make(num_blocks=4, block_size=4, budget=64)
+    a, b = timed_seq(0, 7, 8, 0.0), timed_seq(1, 7, 8, 0.0)
+    s.add(a)
+    s.add(b)
+    step(s)
+    c = timed_seq(2, 1, 2, -100.0)  # arrived "earlier" and is short: it still waits behind the preempted b
+    s.add(c)
+    while not b.num_preemptions:
+        step(s)
+    assert s.waiting[0] is b and admission_key(b) < admission_key(c)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["add", "add", "step", "step", "abort"]),
+                           st.integers(1, 40), st.integers(1, 8), st.floats(0, 0.05)),
+                 min_size=1, max_size=60),
+    num_blocks=st.integers(12, 40),
+    block_size=st.sampled_from([1, 4]),
+    budget=st.integers(4, 48),
+    max_num_seqs=st.integers(1, 6),
+)
+def test_admission_never_overtakes_an_earlier_deadline(ops, num_blocks, block_size, budget, max_num_seqs):
+    """Every admission takes the smallest key waiting, so nobody waits behind a request queued after its
+    deadline: together with the head-of-line rule, that is what bounds every request's wait."""
+    s = make(num_blocks, block_size, max_num_seqs, budget)
+    capacity = num_blocks * block_size
+    clock, seqs = 0.0, []
+    for op, length, max_tokens, gap in ops:
+        clock += gap
+        if op == "add":
+            q = timed_seq(len(seqs), min(length, capacity - max_tokens), max_tokens, clock)
+            seqs.append(q)
+            s.add(q)
+        elif op == "abort" and seqs:
+            s.abort(seqs[int(gap * 1e4) % len(seqs)].request_id)
+        else:
+            waiting = list(s.waiting)
+            out = step(s)
+            admitted = [q for q in waiting if q.status is not SequenceStatus.WAITING]
+            left = [q for q in waiting if q.status is SequenceStatus.WAITING]
+            assert not (admitted and out.num_preempted)
+            assert all(admission_key(a) <= admission_key(b) for a in admitted for b in left)
+            assert s.waiting == sorted(s.waiting, key=admission_key)
+    for _ in range(10_000):
+        if not s.has_unfinished():
+            break
+        step(s)
+    assert not s.has_unfinished(), "a request got stuck"
+    assert s.block_manager.num_used_blocks == 0
 
 
 def test_static_policy_waits_for_the_whole_batch():

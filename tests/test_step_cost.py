@@ -10,7 +10,7 @@ from test_scheduler import EOS, step
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
-from engine.scheduler import MIN_PREFILL_TOKENS, Scheduler
+from engine.scheduler import DEFAULT_MIN_PREFILL_TOKENS, MIN_PREFILL_TOKENS, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_cost import DEFAULT_TARGET_FACTOR, StepCostModel, StepShape
 
@@ -69,6 +69,18 @@ def test_time_budget_chunks_prefill_next_to_decodes():
     assert sorted(out.num_new_tokens) == [1] * 10 + [100]
 
 
+def test_default_target_leaves_prompts_a_full_chunk_next_to_few_decodes():
+    """Twice one decode's cost is ~no prefill at all: the default target still gives prompts 512 tokens."""
+    for target, chunk in ((None, DEFAULT_MIN_PREFILL_TOKENS), (22.0, MIN_PREFILL_TOKENS)):
+        s = Scheduler(SchedulerConfig(max_num_batched_tokens=2048, max_step_ms=target), BlockManager(1024, 16, True),
+                      fitted([10.0, 0.5, 1.0, 0.0]))
+        s.add(Sequence(0, "d", [1, 2], SamplingParams(max_tokens=50), 50, frozenset({EOS})))
+        step(s)
+        s.add(Sequence(1, "long", list(range(1, 3001)), SamplingParams(max_tokens=2), 2, frozenset({EOS})))
+        out = step(s)  # the decode alone costs 11 ms: 2x that leaves 22 tokens; an explicit 22 ms is kept to
+        assert out.num_new_tokens == [1, chunk]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     ops=st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abort"]),
@@ -96,7 +108,7 @@ def test_time_budget_keeps_the_scheduler_invariants(ops, num_blocks, block_size,
     def checked_step():
         decodes = [q.num_tokens for q in s.running if q.num_tokens - q.num_computed_tokens == 1]
         fit = model.prefill_tokens_within(target, len(decodes), sum(decodes))
-        limit = budget if fit is None else max(fit, MIN_PREFILL_TOKENS)
+        limit = budget if fit is None else max(fit, MIN_PREFILL_TOKENS if target else DEFAULT_MIN_PREFILL_TOKENS)
         oldest_prefill = next((q for q in s.running if q.num_tokens - q.num_computed_tokens > 1), None)
         out = step(s, token)
         assert sum(out.num_new_tokens) <= budget and len(out.seqs) <= max_num_seqs
