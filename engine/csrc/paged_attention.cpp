@@ -31,6 +31,7 @@
 namespace {
 
 using pagedserve::fast_exp;
+using pagedserve::narrow;
 using pagedserve::widen;
 
 struct Tile {
@@ -136,9 +137,13 @@ inline int64_t bf16_dim_slot(int64_t d) {
 // row0 .. row0 + rows of the item (rows <= ROWS; qb, m, l, acc point at row0's: bf16 unscaled q, D apart);
 // row r is query token r / group at position ctx + r / group. Updates the online-softmax state m, l and the
 // permuted accumulators acc (D apart).
+// FIXED_ROWS = ROWS (every group but a sequence's last) makes the row count a constant, so the P V
+// accumulators stay in registers: with a runtime count they were spilled to the stack on every key pair.
+template <int64_t FIXED_ROWS>
 inline void block_bf16(const uint16_t* qb, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n,
-                       int64_t start, int64_t ctx, int64_t row0, int64_t rows, int64_t group, int64_t D, float scale,
-                       float* m, float* l, float* acc) {
+                       int64_t start, int64_t ctx, int64_t row0, int64_t any_rows, int64_t group, int64_t D,
+                       float scale, float* m, float* l, float* acc) {
+  const int64_t rows = FIXED_ROWS > 0 ? FIXED_ROWS : any_rows;
   alignas(64) uint16_t pb[ROWS][16];
   float alpha[ROWS];
   int64_t max_visible = 0;
@@ -160,16 +165,13 @@ inline void block_bf16(const uint16_t* qb, const uint16_t* k, const uint16_t* v,
     const float mx = std::max(m[r], _mm512_mask_reduce_max_ps(live, sc));
     alignas(64) float p[16];
     _mm512_store_ps(p, _mm512_maskz_mov_ps(live, _mm512_sub_ps(sc, _mm512_set1_ps(mx))));
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < 16; ++j) {
-      p[j] = j < visible ? fast_exp(p[j]) : 0.f;
-      sum += p[j];
-    }
+#pragma omp simd
+    for (int j = 0; j < 16; ++j) p[j] = fast_exp(p[j]);
+    const __m512 e = _mm512_maskz_mov_ps(live, _mm512_load_ps(p));  // keys past `visible`: no weight
     alpha[r] = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : fast_exp(m[r] - mx);
-    l[r] = l[r] * alpha[r] + sum;
+    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(e);
     m[r] = mx;
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(e));
   }
   if (max_visible == 0) return;
   for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 4 accumulators per row: 64 dims
@@ -272,9 +274,10 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
           for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
             const int64_t here = std::min(ROWS, rows - r0);
             for (int64_t j = 0; j < n && t.ctx + (r0 + here - 1) / group + 1 - (start + j) > 0; j += 16)
-              block_bf16(qb.data() + r0 * D, kb + j * cache_stride_slot, vb + j * cache_stride_slot,
-                         cache_stride_slot, std::min<int64_t>(16, n - j), start + j, t.ctx, r0, here, group, D,
-                         scale, m.data() + r0, l.data() + r0, acc.data() + r0 * D);
+              (here == ROWS ? block_bf16<ROWS> : block_bf16<0>)(
+                  qb.data() + r0 * D, kb + j * cache_stride_slot, vb + j * cache_stride_slot, cache_stride_slot,
+                  std::min<int64_t>(16, n - j), start + j, t.ctx, r0, here, group, D, scale, m.data() + r0,
+                  l.data() + r0, acc.data() + r0 * D);
           }
           continue;
         }
@@ -372,7 +375,8 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
         if (splits == 1) {
           T* o = out + (tok * num_kv_heads * group + head) * D;
           const float inv = 1.f / l[r];
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(ar[d] * inv);
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] = narrow<T>(ar[d] * inv);
         } else {  // partials indexed [token, head, split]
           const int64_t p = (tok * num_kv_heads * group + head) * splits + split;
           std::memcpy(part_acc + p * D, ar, D * sizeof(float));
@@ -401,7 +405,8 @@ void merge_splits(const float* part_acc, const float* part_ml, T* out, int64_t r
         total += w * part_ml[2 * p + 1];
         for (int64_t d = 0; d < D; ++d) o[d] += w * part_acc[p * D + d];
       }
-      for (int64_t d = 0; d < D; ++d) out[r * D + d] = static_cast<T>(o[d] / total);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) out[r * D + d] = narrow<T>(o[d] / total);
     }
   });
 }
