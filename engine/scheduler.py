@@ -4,9 +4,9 @@ Each step: running sequences first (oldest first), then waiting ones are admitte
 within `max_num_seqs` sequences and `max_num_batched_tokens` tokens. A waiting request's deadline is its
 arrival time plus its prompt's estimated prefill time (the step-cost model's measured ms per prompt token),
 fixed when it is queued: among requests that arrive together the shortest prompt goes first, which is what
-brings the median time to first token down in a burst, yet a request is only ever overtaken by requests
-that arrived before its own deadline, so a long prompt waits at most its own prefill time longer than
-first-come-first-served would make it wait. Nobody overtakes the head of the queue when it does not fit.
+brings the median time to first token down in a burst. A request is only ever overtaken by requests that
+arrived before its deadline, so arrivals cannot starve a long prompt: everything queued after its deadline
+waits behind it. Nobody overtakes the head of the queue when it does not fit.
 A sequence's share is `min(num_tokens - num_computed_tokens, budget left)`, so long prompts are prefilled
 in chunks and prefill and decode share a step. Prefill tokens also have a time budget: with a fitted
 step-cost model (engine/step_cost.py) a step takes only as many as fit in the step-time target next to
