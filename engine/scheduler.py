@@ -176,7 +176,8 @@ class Scheduler:
             return unlimited
         decodes = [s.num_tokens for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         fit = self.cost_model.prefill_tokens_within(target, len(decodes), sum(decodes))
-        return unlimited if fit is None else max(fit, MIN_PREFILL_TOKENS if target else DEFAULT_MIN_PREFILL_TOKENS)
+        floor = DEFAULT_MIN_PREFILL_TOKENS if target is None else MIN_PREFILL_TOKENS
+        return unlimited if fit is None else max(fit, floor)
 
     def _may_admit(self) -> bool:
         # static batching: a new batch forms only when the previous one has fully drained
