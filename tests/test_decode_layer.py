@@ -1,5 +1,6 @@
 """The fused decode layer (engine/csrc/decode_layer.cpp) against the per-op path it replaces: the same kernels in
-the same order, so hidden states and the KV cache must be bit-identical, for dense, int8 and int4 projections;
+the same order, so hidden states and the KV cache must be bit-identical, for dense, int8 and int4 projections
+(dense ones past DENSE_GEMV_MAX_M rows only close: the per-op path hands those to oneDNN);
 and the steps it must leave to the per-op path (prefill chunks, padding rows, more rows than the GEMVs take)."""
 
 from __future__ import annotations
@@ -65,20 +66,28 @@ def test_fused_layer_is_bit_identical(dtype, fmt, bias, monkeypatch):
     for positions, q_lens, seq_lens, tables in (
         ([19], [1], [20], [[3, 5]]),  # one decode whose context crosses a block boundary
         ([19, 5], [1, 1], [20, 6], [[0, 1], [2]]),  # two decodes
+        ([19, 5, 7, 15, 2, 9], [1] * 6, [20, 6, 8, 16, 3, 10], [[0, 1], [2], [3], [4], [5], [6]]),  # six
     ):
         h, cache, n = _run(model, dtype, positions, q_lens, seq_lens, tables, monkeypatch=monkeypatch)
         ref_h, ref_cache, n_ref = _run(model, dtype, positions, q_lens, seq_lens, tables, fused=False,
                                        monkeypatch=monkeypatch)
         assert n == model.config.num_layers and n_ref == 0
-        assert torch.equal(h, ref_h), (h - ref_h).abs().max()
-        assert torch.equal(cache, ref_cache)
+        if fmt != "none" or len(positions) <= llama.DENSE_GEMV_MAX_M:  # the per-op path runs our GEMV too
+            assert torch.equal(h, ref_h), (h - ref_h).abs().max()
+            assert torch.equal(cache, ref_cache)
+        else:  # there it runs oneDNN's GEMM: other roundings (bf16: an output ulp, 2^-8, now and then)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            for got, want in ((h, ref_h), (cache, ref_cache)):
+                rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                assert rel < tol, rel
 
 
 def test_fused_layer_leaves_other_steps_to_the_per_op_path(monkeypatch):
     dense, quant = _model(torch.float32, "none", False), _model(torch.float32, "int8", False)
-    three = ([19, 5, 7], [1, 1, 1], [20, 6, 8], [[0, 1], [2], [4]])
-    assert _run(dense, torch.float32, *three, monkeypatch=monkeypatch)[2] == 0  # the dense GEMV takes <= 2 rows
-    assert _run(quant, torch.float32, *three, monkeypatch=monkeypatch)[2] == 2  # the int8 one <= INT8_PACKED_MAX_M
+    many = llama.FUSED_DENSE_MAX_M + 1
+    decodes = ([3] * many, [1] * many, [4] * many, [[i % 8] for i in range(many)])
+    assert _run(dense, torch.float32, *decodes, monkeypatch=monkeypatch)[2] == 0  # dense: <= FUSED_DENSE_MAX_M
+    assert _run(quant, torch.float32, *decodes, monkeypatch=monkeypatch)[2] == 2  # int8: <= INT8_PACKED_MAX_M
     n = INT8_PACKED_MAX_M + 1
     prefill = (list(range(n)), [n], [n], [list(range(-(-n // BLOCK)))])
     assert _run(quant, torch.float32, *prefill, monkeypatch=monkeypatch)[2] == 0

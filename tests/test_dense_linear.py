@@ -18,7 +18,7 @@ TOL = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float16: 1e-3}
 # K below one vector, not a multiple of any vector width, SmolLM2's hidden and intermediate, and a long row
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k", [(7, 5), (33, 100), (960, 576), (576, 1536), (40, 4099)])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13])  # every tile height, and 8 + 1 and 8 + 5
 @pytest.mark.parametrize("bias", [False, True])
 def test_dense_linear_matches_fp32_reference(dtype, n, k, m, bias):
     gen = torch.Generator().manual_seed(n * 1000 + k + m)

@@ -1,5 +1,7 @@
 // One decoder layer of a small decode step, in one call: the same kernels as the per-op path
-// (engine/models/llama.py with the C++ layer ops), in the same order, so the result is bit-identical.
+// (engine/models/llama.py with the C++ layer ops), in the same order, so the result is bit-identical (dense
+// projections: up to DENSE_GEMV_MAX_M rows; the fused layer takes up to FUSED_DENSE_MAX_M, where the per-op
+// path has handed the projections to oneDNN, whose roundings differ).
 //
 // Why: at batch 1 a SmolLM2 step is ~30 x 12 small op calls besides the projections' bytes, and on these
 // CPUs every call from Python costs 2-5 us before it does anything (argument parsing, dispatcher, output

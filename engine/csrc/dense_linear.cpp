@@ -5,7 +5,7 @@
 // matrices streamed from memory): fp32 `F.linear` at M = 1 reached 7.7-13 GB/s and oneDNN's prepacked bf16
 // GEMV 15-21 GB/s, where one weight row at a time with four independent accumulators reached 20-35 GB/s
 // (fp32) and 27-43 GB/s (bf16, vdpbf16ps). Work is split over output rows; each block of BN rows serves up to
-// 4 activation rows per pass from L1/L2. Accumulation is fp32 in every dtype, rounded once per output.
+// 8 activation rows per pass from L1/L2. Accumulation is fp32 in every dtype, rounded once per output.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -64,11 +64,13 @@ inline vec vload(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(rei
 
 // acc[m] = w . x[m] for one weight row and MR fp32 activation rows (each K long). With one accumulator the
 // FMA latency chain bound M = 1 to a fraction of the bandwidth: U independent ones, fewer as MR supplies its own.
+// (Tiles of 4 weight rows x MR were tried: 2x slower at M = 1-2, the four interleaved row streams defeating the
+// prefetcher that one row after another keeps busy.)
 template <int MR, typename T>
 inline void dot_rows(const T* w, const float* x, int64_t K, float* acc) {
   int64_t k = 0;
 #ifdef PAGEDSERVE_DENSE_SIMD
-  constexpr int U = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+  constexpr int U = MR == 1 ? 4 : MR <= 4 ? 2 : 1;
   vec s[MR][U];
   for (int m = 0; m < MR; ++m)
     for (int u = 0; u < U; ++u) s[m][u] = vzero();
@@ -100,7 +102,7 @@ inline void dot_rows(const T* w, const float* x, int64_t K, float* acc) {
 // bf16 weights and activations as they are: vdpbf16ps multiplies 32 pairs exactly and adds them in fp32.
 template <int MR>
 inline void dot_rows_bf16(const at::BFloat16* w, const at::BFloat16* x, int64_t K, float* acc) {
-  constexpr int U = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+  constexpr int U = MR == 1 ? 4 : MR <= 4 ? 2 : 1;
   constexpr int64_t W = 32;
   __m512 s[MR][U];
   for (int m = 0; m < MR; ++m)
@@ -151,10 +153,14 @@ void gemv(const X* xs, int64_t M, int64_t K, const T* w, const T* bias, int64_t 
   at::parallel_for(0, (N + BN - 1) / BN, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * BN, n1 = std::min(N, n0 + BN);
-      for (int64_t m = 0; m < M; m += 4) {
+      for (int64_t m = 0; m < M; m += 8) {
         const X* xm = xs + m * K;
         T* om = out + m * N;
-        switch (std::min<int64_t>(4, M - m)) {
+        switch (std::min<int64_t>(8, M - m)) {
+          case 8: rows_block<8>(w, xm, bias, K, n0, n1, om, N); break;
+          case 7: rows_block<7>(w, xm, bias, K, n0, n1, om, N); break;
+          case 6: rows_block<6>(w, xm, bias, K, n0, n1, om, N); break;
+          case 5: rows_block<5>(w, xm, bias, K, n0, n1, om, N); break;
           case 4: rows_block<4>(w, xm, bias, K, n0, n1, om, N); break;
           case 3: rows_block<3>(w, xm, bias, K, n0, n1, om, N); break;
           case 2: rows_block<2>(w, xm, bias, K, n0, n1, om, N); break;

@@ -45,6 +45,11 @@ class RMSNorm(nn.Module):
 # Up to this many rows our GEMV (engine/csrc/dense_linear.cpp) beats both oneDNN paths, in fp32 and bf16
 # (benchmarks/kernels/bench_dense_linear.py: 0.45-0.72x at M = 1-2 on Zen 4; 0.65-1.25x at M = 4)
 DENSE_GEMV_MAX_M = 2
+# The fused decode layer takes our GEMV further: at 3-8 rows it is up to ~1.5x slower than oneDNN's, but one
+# C++ call a layer saves the ~7 ms a step that the per-op path spends in Python and the dispatcher
+# (SmolLM2 bf16 on Zen 4, /tmp/w/bsweep.py: B = 3-4 decode steps 20.8 -> 13.5 ms, B = 8 25.9 -> 23.5 ms;
+# B = 12 is slower fused)
+FUSED_DENSE_MAX_M = 8
 
 
 class Linear(nn.Linear):
@@ -67,7 +72,7 @@ class Linear(nn.Linear):
         the most rows it serves there, or None where only the packed weight is left."""
         if not self.weight.numel():
             return None
-        return [self.weight] + ([self.bias] if self.bias is not None else []), DENSE_GEMV_MAX_M
+        return [self.weight] + ([self.bias] if self.bias is not None else []), FUSED_DENSE_MAX_M
 
     def pack(self, keep_weight: bool = False) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
@@ -310,7 +315,7 @@ class LlamaModel(nn.Module):
 
     def pack_weights(self, keep_plain: bool = False) -> None:
         """Prepack every projection for oneDNN where that is faster (bf16 on a CPU with AMX/AVX512-BF16).
-        keep_plain: keep the row-major weights too, for the GEMV at one or two rows (twice the bytes); the tied
+        keep_plain: keep the row-major weights too, for our GEMV at a few rows (twice the bytes); the tied
         LM head keeps its plain weight anyway, since it is the embedding's."""
         for m in self.modules():
             if isinstance(m, Linear):
