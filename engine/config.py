@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine.cpu_dtype import auto_cpu_dtype, cpu_has_native_bf16
+from engine.cpu_dtype import auto_cpu_dtype, cpu_has_native_bf16, cpu_packs_fp32
 from engine.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -137,6 +137,14 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
 def cpu_has_fast_bf16() -> bool:
     """Native bf16 (AVX512_BF16/AMX): oneDNN's own check says yes on any AVX-512 CPU, even where it emulates."""
     return cpu_has_native_bf16()
+
+
+def cpu_prepacks(dtype: torch.dtype) -> bool:
+    """Whether a CPU model of this dtype gets its projections prepacked for oneDNN (engine.models.llama.Linear):
+    bf16 where the CPU runs it natively; fp32 where a start-up GEMM says oneDNN beats F.linear."""
+    if dtype == torch.bfloat16:
+        return cpu_has_fast_bf16()
+    return dtype == torch.float32 and cpu_packs_fp32()
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.cpu_dtype import choose_cpu_dtype, has_native_bf16, read_cpu_flags, time_gemm
+from engine.cpu_dtype import choose_cpu_dtype, choose_fp32_packing, has_native_bf16, read_cpu_flags, time_gemm
 
 AVX512_NO_BF16 = frozenset("fpu sse2 avx2 fma avx512f avx512bw avx512vl avx512_vnni".split())
 SAPPHIRE_RAPIDS = AVX512_NO_BF16 | {"avx512_bf16", "amx_tile", "amx_bf16"}
@@ -56,3 +56,28 @@ def test_flag_parsing(tmp_path):
 
 def test_real_probe_runs():
     assert time_gemm(torch.float32, (8, 32, 32), reps=3) > 0
+    assert time_gemm(torch.float32, (8, 32, 32), reps=3, packed=True) > 0
+
+
+def test_fp32_packing_only_where_measured_faster():
+    assert choose_fp32_packing(lambda packed: 1.0 if packed else 2.0)[0]  # oneDNN 2x faster (Zen 4's MKL)
+    assert not choose_fp32_packing(lambda packed: 1.0 if packed else 1.05)[0]  # a tie keeps F.linear
+    assert not choose_fp32_packing(lambda packed: 1.5 if packed else 1.0)[0]  # MKL faster (Intel)
+    assert "F.linear 2.000 ms" in choose_fp32_packing(lambda packed: 1.0 if packed else 2.0)[1]
+
+
+def test_fp32_model_follows_the_packing_probe(monkeypatch):
+    import engine.config as config
+    from engine.models.llama import Linear
+    from engine.models.loader import build_model, load_config
+
+    for pack in (False, True):
+        monkeypatch.setattr(config, "cpu_packs_fp32", lambda pack=pack: pack)
+        cfg = load_config("random:tiny")
+        model = build_model("random:tiny", cfg, torch.float32, torch.device("cpu"), 64)
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert all((m.packed is not None) == pack for m in linears)
+        x = torch.randn(5, cfg.hidden_size)
+        ref = torch.nn.functional.linear(x, linears[0].weight) if linears[0].weight.numel() else None
+        if ref is not None:  # the packed path computes the same product (other roundings)
+            assert torch.allclose(linears[0](x), ref, rtol=1e-5, atol=1e-5)

@@ -314,7 +314,7 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.norm(hidden)).float()
 
     def pack_weights(self, keep_plain: bool = False) -> None:
-        """Prepack every projection for oneDNN where that is faster (bf16 on a CPU with AMX/AVX512-BF16).
+        """Prepack every projection for oneDNN where that is faster (engine.config.cpu_prepacks says where).
         keep_plain: keep the row-major weights too, for our GEMV at a few rows (twice the bytes); the tied
         LM head keeps its plain weight anyway, since it is the embedding's."""
         for m in self.modules():

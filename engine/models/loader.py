@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from engine import cpu_kernels
-from engine.config import ModelConfig, cpu_has_fast_bf16
+from engine.config import ModelConfig, cpu_prepacks
 from engine.errors import ModelLoadError
-from engine.models.llama import LlamaModel, Linear
+from engine.models.llama import Linear, LlamaModel
 from engine.quant import loading as quant_loading
 from engine.quant.loading import QuantSpec
 from engine.quant.modules import weight_bytes_by_format
@@ -142,11 +142,12 @@ def build_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     else:
         model.load_weights(_safetensors_weights(path))
     model.eval().requires_grad_(False)
-    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_fast_bf16():
+    if device.type == "cpu" and cpu_prepacks(dtype):
         keep_plain = plain_copy_fits(model)
         model.pack_weights(keep_plain)
-        logger.info("bf16 projections prepacked for oneDNN%s", " (row-major copies kept for the 1-2 row GEMV)"
-                    if keep_plain else f"; no row-major copies (over {PLAIN_COPY_MEMORY_FRACTION:.0%} of memory), "
+        logger.info("%s projections prepacked for oneDNN%s", str(dtype).removeprefix("torch."),
+                    " (row-major copies kept for the few-row GEMV)" if keep_plain else
+                    f"; no row-major copies (over {PLAIN_COPY_MEMORY_FRACTION:.0%} of memory), "
                     "so the GEMV serves only the tied LM head")
     sizes = weight_bytes_by_format(model)
     logger.info("weights: %s (%.1f MiB in all)", ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items()),
