@@ -47,8 +47,8 @@ class RMSNorm(nn.Module):
 DENSE_GEMV_MAX_M = 2
 # The fused decode layer takes our GEMV further: at 3-8 rows it is up to ~1.5x slower than oneDNN's, but one
 # C++ call a layer saves the ~7 ms a step that the per-op path spends in Python and the dispatcher
-# (SmolLM2 bf16 on Zen 4, /tmp/w/bsweep.py: B = 3-4 decode steps 20.8 -> 13.5 ms, B = 8 25.9 -> 23.5 ms;
-# B = 12 is slower fused)
+# (SmolLM2 bf16 on Zen 4, benchmarks/kernels/bench_fused_decode.py: B = 3-4 decode steps 20.8 -> 13.5 ms,
+# B = 8 25.9 -> 23.5 ms; B = 12 is slower fused)
 FUSED_DENSE_MAX_M = 8
 
 
