@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--random-output-len", type=int, default=128, help="(default %(default)s)")
     w.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths uniform in [L*(1-r), L*(1+r)], 0 <= r < 1 (default %(default)s)")
-    w.add_argument("--text", default=None, help="text file for prose/prefix (default: benchmarks/data/"
-                   f"{workloads.TEXT_NAME}, shipped)")
+    w.add_argument("--text", default=None, help="text file for prose/prefix (default: the book the engine ships, "
+                   "engine/data/)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--temperature", type=float, default=0.0)
     w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,

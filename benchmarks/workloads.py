@@ -7,8 +7,8 @@ import os
 import random
 from dataclasses import dataclass
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TEXT_NAME = "pride_and_prejudice.txt"
+from engine.config import bundled_text_path
+
 
 
 @dataclass(frozen=True)
@@ -18,8 +18,8 @@ class Request:
 
 
 def default_text_path() -> str:
-    """The book shipped in benchmarks/data/ (public domain), or $PAGEDSERVE_TEXT if set."""
-    path = os.environ.get("PAGEDSERVE_TEXT") or os.path.join(_REPO, "benchmarks", "data", TEXT_NAME)
+    """The book the engine ships (engine/data/, public domain), or $PAGEDSERVE_TEXT if set."""
+    path = os.environ.get("PAGEDSERVE_TEXT") or bundled_text_path()
     if not os.path.isfile(path):
         raise FileNotFoundError(f"text file {path} not found; pass --text PATH or set PAGEDSERVE_TEXT")
     return path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import threading
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 
 from engine.config import opt
 from engine.errors import InvalidRequestError
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import EngineStats, LLMEngine
+from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -121,7 +123,11 @@ class AsyncEngine:
 
     @property
     def num_running(self) -> int:
-        return self.engine.scheduler.num_running
+        return self.engine.num_running
+
+    def stats(self) -> EngineStats:
+        """The engine's snapshot, with admitted requests not yet handed to it counted as waiting."""
+        return dataclasses.replace(self.engine.stats(), num_waiting=self.num_waiting)
 
     def retry_after(self) -> float:
         """Seconds until a slot likely frees: queue depth over the measured completion rate, in [1, 60]."""

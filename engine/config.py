@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from engine.cpu_dtype import auto_cpu_dtype, cpu_has_native_bf16, cpu_packs_fp32
 from engine.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Hugging Face `model_type` (GGUF `general.architecture`) -> the architecture that serves it
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
@@ -45,10 +45,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        if self.architecture not in ARCHITECTURES.values():
+            raise ModelLoadError(f"unsupported architecture {self.architecture!r}; supported: "
+                                 f"{', '.join(sorted(set(ARCHITECTURES.values())))}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
@@ -57,12 +56,10 @@ class ModelConfig:
         """From a transformers config.json dict."""
         model_type = cfg.get("model_type", "")
         archs = cfg.get("architectures") or []
-        arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type)
+        arch = ARCHITECTURES.get(model_type)
         if arch is None:
-            raise ModelLoadError(
-                f"unsupported architecture model_type={model_type!r} ({archs}); "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise ModelLoadError(f"unsupported architecture model_type={model_type!r} ({archs}); "
+                                 f"supported: {', '.join(ARCHITECTURES)}")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         rope_scaling = cfg.get("rope_scaling")
@@ -117,8 +114,14 @@ def bundled_model_path() -> str:
     raise FileNotFoundError(f"no .gguf file in {folder}")
 
 
-def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """`auto` -> bf16 where the device runs it fast (CUDA with bf16; CPUs: see engine.cpu_dtype), else fp32."""
+def bundled_text_path() -> str:
+    """A public-domain book shipped with the engine (Pride and Prejudice): the text `pagedserve eval` scores and
+    the benchmarks draw prompts from."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pride_and_prejudice.txt")
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device, kernel_policy: str | None = None) -> torch.dtype:
+    """`auto` -> bf16 where the device runs it fast (engine/layers/dispatch.py: auto_dtype), else fp32."""
     if isinstance(name, torch.dtype):
         return name
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -127,24 +130,9 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
         return table[name]
     if name != "auto":
         raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {name!r}")
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu":
-        return auto_cpu_dtype().dtype
-    return torch.float32
+    from engine.layers.dispatch import auto_dtype
 
-
-def cpu_has_fast_bf16() -> bool:
-    """Native bf16 (AVX512_BF16/AMX): oneDNN's own check says yes on any AVX-512 CPU, even where it emulates."""
-    return cpu_has_native_bf16()
-
-
-def cpu_prepacks(dtype: torch.dtype) -> bool:
-    """Whether a CPU model of this dtype gets its projections prepacked for oneDNN (engine.models.llama.Linear):
-    bf16 where the CPU runs it natively; fp32 where a start-up GEMM says oneDNN beats F.linear."""
-    if dtype == torch.bfloat16:
-        return cpu_has_fast_bf16()
-    return dtype == torch.float32 and cpu_packs_fp32()
+    return auto_dtype(device, kernel_policy)
 
 
 @dataclass(frozen=True)
@@ -193,8 +181,9 @@ class EngineConfig:
     attention_backend: str = opt("auto", "attention implementation (auto: triton on CUDA, the C++ kernel on CPU)",
                                   choices=("auto", "cpu", "torch", "triton"))
     cuda_graphs: bool = opt(True, "capture decode steps as CUDA graphs (CUDA + Triton backend)")
-    compile: bool = opt(False, "torch.compile the decoder layers around the attention (CPU; warmed up at start, "
-                               "cached on disk; measured no faster yet, see engine/compiled.py)")
+    kernel_policy: str | None = opt(None, "pin entries of the kernel dispatch table, e.g. 'prepack_fp32=off,"
+                                          "dense_gemv_max_rows=4' (default: this machine's, its timing probes "
+                                          "measured once and cached; see engine/layers/dispatch.py)")
     max_model_len: int | None = opt(None, "context length (default: the model's)")
     seed: int = opt(0, "seed for random weights and unseeded sampling")
     quantization: str = opt("none", "weight format: none, int8 (per row), int4 (per group), nf4, or the per-tensor "

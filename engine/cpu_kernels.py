@@ -1,10 +1,13 @@
 """The project's C++ CPU kernels (engine/csrc/*.cpp), built once into one torch extension.
 
-Compiled on first use with g++ -march=native (torch's cpp_extension + ninja) into a persistent cache
-directory keyed by the sources, torch version, flags and CPU model, so later starts load it at once.
-If the build fails, `load()` logs a warning and returns False, and each caller keeps its PyTorch path.
-Ops registered (torch.ops.pagedserve.*): paged_attention; dense_linear; int8_linear, int4_linear, int8_gemm, int4_gemm;
-rms_norm, add_rms_norm, rope_, silu_and_mul.
+Compiled on first use with g++ -march=native (torch's cpp_extension + ninja) into a cache directory keyed by
+everything the build depends on (sources, headers, flags, torch and Python versions, the CPU), so later starts
+load it at once. If the build fails, `load()` logs a warning and returns False, and every layer keeps its
+PyTorch path; with PAGEDSERVE_REQUIRE_KERNELS=1 (the test suite, CI) a failed build raises instead, so a broken
+kernel can never pass as a skipped one.
+
+Ops registered (torch.ops.pagedserve.*): paged_attention; dense_linear; int8_linear, int4_linear, int8_gemm,
+int4_gemm; rms_norm, add_rms_norm, rope_, silu_and_mul; decode_layer.
 """
 
 from __future__ import annotations
@@ -13,55 +16,63 @@ import functools
 import hashlib
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
+from engine.machine import cache_dir, cpu
+
 logger = logging.getLogger(__name__)
 
-SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))
-HEADERS = sorted(Path(__file__).with_name("csrc").glob("*.h"))  # in the cache key: a changed header rebuilds
+CSRC = Path(__file__).with_name("csrc")
 # -fopenmp: at::parallel_for is a header template whose `#pragma omp parallel` is compiled into our own code;
-# without it every kernel ran on one thread. libgomp.so.1 resolves to the copy torch already loaded.
+# without it every kernel runs on one thread. libgomp.so.1 resolves to the copy torch already loaded.
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedserve")
-    return Path(root) / "extensions"
+class KernelBuildError(RuntimeError):
+    """The C++ kernels did not build, and PAGEDSERVE_REQUIRE_KERNELS asked for them."""
+
+
+def required() -> bool:
+    return os.environ.get("PAGEDSERVE_REQUIRE_KERNELS", "") not in ("", "0")
+
+
+def build_key(cflags: list[str] | None = None) -> str:
+    """A digest of everything the build reads: change any of it and the kernels are rebuilt, else reused."""
+    import torch
+
+    sources = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
+    machine = cpu()
+    parts = [p.name + "\0" + p.read_text() for p in sources]
+    parts += [torch.__version__, sys.version, *(cflags or CFLAGS), *LDFLAGS, machine.model,
+              " ".join(sorted(machine.flags or ()))]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
 @functools.cache
 def load() -> bool:
     """Build (or load the cached build of) the extension; False, with a logged warning, if it cannot."""
-    import torch
-
-    texts = [p.read_text() for p in SOURCES + HEADERS]
-    # -march=native code is only valid on this CPU: the key covers the CPU model as well as the sources
-    parts = [*texts, torch.__version__, *CFLAGS, *LDFLAGS, _cpu_model()]
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    key = build_key()
     name = f"pagedserve_cpu_kernels_{key}"
-    build = cache_dir() / name
+    build = cache_dir() / "extensions" / name
+    fresh = not any(build.glob("*.so"))
+    if fresh:
+        logger.info("building the C++ CPU kernels (first start on this machine only, about a minute) in %s", build)
     t0 = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load as build_extension
 
         build.mkdir(parents=True, exist_ok=True)
-        build_extension(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+        build_extension(name=name, sources=[str(p) for p in sorted(CSRC.glob("*.cpp"))], extra_cflags=CFLAGS,
                         extra_ldflags=LDFLAGS, build_directory=str(build), is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache...: slower, never wrong
+        if required():
+            raise KernelBuildError(f"the C++ CPU kernels did not build: {e}") from e
         msg = str(e).strip()
         logger.warning("could not build the C++ CPU kernels (%s: %s); using the PyTorch paths instead",
                        type(e).__name__, msg.splitlines()[-1] if msg else "")
         return False
-    logger.info("C++ CPU kernels ready in %.1fs (%s)", time.perf_counter() - t0, build)
+    logger.info("C++ CPU kernels %s in %.1fs", "built" if fresh else "loaded", time.perf_counter() - t0)
     return True
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("model name", "flags"))), "")
-    except OSError:
-        return ""

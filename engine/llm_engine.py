@@ -1,4 +1,4 @@
-"""LLMEngine (online: add_request / abort / step) and LLM (offline: generate)."""
+"""LLMEngine: the online engine (add_request / abort / step), and its public state snapshot (`stats`)."""
 
 from __future__ import annotations
 
@@ -9,24 +9,25 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from engine import allocator
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, bundled_model_path, make_config, resolve_dtype
 from engine.errors import ContextLengthExceededError, InvalidRequestError
+from engine.layers.dispatch import kernel_table
 from engine.model_runner import ModelRunner, StepInput
 from engine.models.llama import LlamaModel
 from engine.models.loader import build_model, load_config
+from engine.output_processor import OutputProcessor, RequestOutput, RequestState
 from engine.quant.loading import QuantSpec
-from engine.sampler import SampleRequest, TokenLogprob
+from engine.sampler import SampleRequest
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.spec_decode import build_speculator
+from engine.spec_decode import SpecStats, build_speculator
 from engine.step_cost import StepCostModel, StepShape
 from engine.structured import StructuredOutputs
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, apply_chat_template, load_tokenizer
@@ -34,61 +35,17 @@ from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, apply_ch
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class RequestMetrics:
-    """time.monotonic() stamps."""
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's state for servers and dashboards (counts only, never request content)."""
 
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def queue_time(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request. `text` is the new text since the previous output."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    metrics: RequestMetrics
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first; on the first output
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    num_draft_tokens: int = 0  # speculative decoding: drafted for this request so far
-    num_accepted_tokens: int = 0  # of which accepted
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
-    stop: StopStringMatcher
-    sample: SampleRequest
-    # A token's logprob goes out with its text: held while the stop matcher holds the text back, dropped
-    # if a stop string cuts it off. Entries: (offset of the token's text in the output, logprob).
-    held_logprobs: deque[tuple[int, TokenLogprob]] = field(default_factory=deque)
-    text_fed: int = 0  # characters of output text given to the stop matcher
-    text_sent: int = 0  # of which released
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled as the prompt is computed
-    prompt_logprobs_sent: bool = False
-
-    def add_prompt_logprobs(self, start: int, entries: list[TokenLogprob]) -> None:
-        """Entries for prompt tokens start+1...; a recompute after preemption overwrites equal values."""
-        self.prompt_logprobs[start + 1:start + 1 + len(entries)] = entries
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1: blocks held by requests
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of which found cached
+    spec_decode: SpecStats | None  # None unless speculative decoding is on
 
 
 class LLMEngine:
@@ -103,11 +60,13 @@ class LLMEngine:
         """`model` / `tokenizer` may be passed pre-built (tests and benchmarks share one load)."""
         config = config or make_config(**kwargs)
         model_path = config.model or bundled_model_path()
+        allocator.tune()  # before the weights are allocated
         self.config = config
         self.model_path = model_path
         self.model_config = load_config(model_path)
         self.device = config.torch_device()
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, config.kernel_policy)
+        self.kernels = kernel_table(self.device, self.dtype, config.kernel_policy)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer or model_path)
         max_len = config.max_model_len or self.model_config.max_position_embeddings
         if max_len > self.model_config.max_position_embeddings:
@@ -117,10 +76,11 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         if model is None:
             quant = QuantSpec.from_options(config.quantization, config.quant_group_size, config.quantize_lm_head)
-            model = build_model(model_path, self.model_config, self.dtype, self.device, max_len, config.seed, quant)
+            model = build_model(model_path, self.model_config, self.dtype, self.device, max_len, config.seed, quant,
+                                self.kernels)
         elif model.rope.max_positions < max_len:
             raise ValueError(f"the given model was built for {model.rope.max_positions} positions < {max_len}")
-        self.runner = ModelRunner(config, self.model_config, model, self.device, self.dtype)
+        self.runner = ModelRunner(config, self.model_config, model, self.device, self.dtype, self.kernels)
         if self.runner.kv_capacity_tokens < max_len:
             logger.warning("KV cache holds %d tokens < max_model_len %d: capping max_model_len",
                            self.runner.kv_capacity_tokens, max_len)
@@ -130,7 +90,9 @@ class LLMEngine:
                                           config.cache.enable_prefix_caching)
         self.cost_model = StepCostModel()  # fitted from timed steps; sizes prefill chunks by time
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.cost_model)
-        self.speculator = build_speculator(config, self.model_config, self.runner.num_blocks, max_len, self.device)
+        self.speculator = build_speculator(config, self.model_config, self.runner.num_blocks, max_len, self.device,
+                                           self.cost_model)
+        self.output_processor = OutputProcessor(self.scheduler.finish)
         # The engine thread detokenizes while other threads encode: HF fast tokenizers mutate state on
         # encode ("Already borrowed"), so the detokenizer gets its own copy.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
@@ -147,7 +109,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids |= {self.tokenizer.eos_token_id}
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._inbox: list[tuple[str, object]] = []
         self._lock = threading.Lock()
         self._seq_ids = itertools.count()
@@ -216,7 +178,7 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        req = _Request(seq, IncrementalDetokenizer(self._detok_tokenizer, ids), StopStringMatcher(params.stop),
+        req = RequestState(seq, IncrementalDetokenizer(self._detok_tokenizer, ids), StopStringMatcher(params.stop),
                        SampleRequest(params, [], generator, self.structured.constraint_for(params)))
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
@@ -245,6 +207,10 @@ class LLMEngine:
         with self._lock:
             return sum(1 for op, _ in self._inbox if op == "add") + self.scheduler.num_waiting
 
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step + forward pass. Returns an output for every request that changed."""
@@ -265,10 +231,9 @@ class LLMEngine:
                                                     zip(sched.seqs, sched.num_new_tokens)])
         t0 = time.perf_counter()
         sampled, logprobs, prompt_lps = self.runner.run(StepInput(sched.seqs, sched.num_new_tokens, sample))
-        elapsed = time.perf_counter() - t0
-        self.cost_model.observe(shape, elapsed * 1e3)
+        self.cost_model.observe(shape, (time.perf_counter() - t0) * 1e3)
         if self.speculator is not None:
-            self.speculator.observe(sched.seqs, sched.num_new_tokens, sampled, elapsed)
+            self.speculator.observe(sched.seqs, sched.num_new_tokens, sampled)
         for i, (start, entries) in prompt_lps.items():
             reqs[i].add_prompt_logprobs(start, entries)
         # max_tokens=0 (prompt scoring): the prompt is done, nothing is generated
@@ -277,11 +242,15 @@ class LLMEngine:
         lp_of = {s.seq_id: lp for s, lp in zip(sched.seqs, logprobs) if lp is not None}
         num_before = {s.seq_id: s.num_tokens for s in sched.seqs}
         for seq in self.scheduler.update(sched, sampled):
-            outputs.append(self._emit(self._requests[seq.request_id], lp_of.get(seq.seq_id),
-                                      num_before[seq.seq_id]))
+            out = self.output_processor.process(self._requests[seq.request_id], lp_of.get(seq.seq_id),
+                                                num_before[seq.seq_id])
+            outputs.append(out)
+            if out.finished:
+                self._forget(seq)
         for r in prompt_only:
             self.scheduler.finish(r.seq, SequenceStatus.FINISHED_LENGTH)
-            outputs.append(self._finish_output(r, [], "", []))
+            outputs.append(self.output_processor.final(r))
+            self._forget(r.seq)
         return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:
@@ -295,159 +264,19 @@ class LLMEngine:
             if op == "abort":
                 seq = self.scheduler.abort(item)
                 if seq is not None:
-                    outputs.append(self._finish_output(self._requests[item], [], "", []))
+                    outputs.append(self.output_processor.final(self._requests[item]))
+                    self._forget(seq)
         return outputs
 
-    def _emit(self, req: _Request, logprob: TokenLogprob | None, num_before: int) -> RequestOutput:
-        """Output for the tokens appended since `num_before` (several when drafts were accepted)."""
-        seq = req.seq
-        tokens = seq.token_ids[num_before:]
-        for j, token in enumerate(tokens):
-            if req.sample.constraint is not None and req.sample.constraint.matcher is not None:
-                self._advance_grammar(req, token)  # constrained requests do not speculate: one token
-            delta = req.detokenizer.push([token])
-            if logprob is not None:  # requests with logprobs do not speculate: one token
-                req.held_logprobs.append((req.text_fed, logprob))
-            req.text_fed += len(delta)
-            req.stop.feed(delta)
-            if req.stop.stopped:
-                del seq.token_ids[num_before + j + 1:]  # accepted drafts after a stop string never happened
-                tokens = tokens[:j + 1]
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-                else:  # the stop string completed on the last allowed token: it stopped, it was not cut short
-                    seq.status = SequenceStatus.FINISHED_STOPPED
-                break
-        text = req.stop.take(final=seq.is_finished)
-        req.text_sent += len(text)
-        lps = self._release_logprobs(req, everything=seq.is_finished and not req.stop.stopped)
-        if seq.is_finished:
-            return self._finish_output(req, tokens, text, lps)
-        return self._output(req, tokens, text, lps)
-
-    def _advance_grammar(self, req: _Request, token: int) -> None:
-        """Feed the accepted token to the request's grammar; a complete grammar ends the request ("stop")."""
-        seq, matcher = req.seq, req.sample.constraint.matcher
-        if matcher.num_consumed != seq.num_output_tokens - 1:
-            matcher.sync(seq.output_token_ids[:-1])
-        if not matcher.accept(token):
-            logger.warning("request %s: token %d rejected by its grammar: %s", seq.request_id, token, matcher.error)
-        if matcher.is_terminated and not seq.is_finished:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-
-    def _finish_output(self, req: _Request, tokens: list[int], text: str, lps: list) -> RequestOutput:
+    def _forget(self, seq: Sequence) -> None:
         with self._lock:
-            self._requests.pop(req.seq.request_id, None)
+            self._requests.pop(seq.request_id, None)
         if self.speculator is not None:
-            self.speculator.release(req.seq)
-        if req.seq.status is SequenceStatus.FINISHED_ABORTED:
-            text += req.stop.take(final=True)
-            lps = lps + self._release_logprobs(req, everything=True)
-        req.held_logprobs.clear()  # what is left was cut off by a stop string
-        return self._output(req, tokens, text, lps)
+            self.speculator.release(seq)
 
-    @staticmethod
-    def _release_logprobs(req: _Request, everything: bool) -> list[TokenLogprob]:
-        held, out = req.held_logprobs, []
-        while held and (everything or held[0][0] < req.text_sent):
-            out.append(held.popleft()[1])
-        return out
-
-    @staticmethod
-    def _output(req: _Request, tokens: list[int], text: str, lps: list) -> RequestOutput:
-        seq = req.seq
-        prompt_lps = None
-        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and (tokens or seq.is_finished):
-            prompt_lps, req.prompt_logprobs_sent = req.prompt_logprobs, True
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=tokens,
-            text=text,
-            finished=seq.is_finished,
-            finish_reason=seq.status.value if seq.is_finished else None,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
-                                   seq.finish_time),
-            logprobs=lps,
-            prompt_logprobs=prompt_lps,
-            num_draft_tokens=seq.num_draft_tokens,
-            num_accepted_tokens=seq.num_accepted_tokens,
-        )
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    request_id: str
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    num_cached_tokens: int
-    metrics: RequestMetrics | None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-
-class LLM:
-    """Offline batch generation: `LLM().generate(["Hello"], SamplingParams(max_tokens=32))`."""
-
-    def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None, **kwargs) -> None:
-        if kwargs.get("max_step_ms") is None:
-            # Every result comes back at the end, so no stream's inter-token time needs protecting: the
-            # server's default step-time target would only cost throughput (64 prose requests: ~15 % once
-            # the cost model is fitted). A number given here still applies.
-            kwargs["max_step_ms"] = 0
-        self.engine = engine or LLMEngine(make_config(model=model, **kwargs))
-        self.tokenizer = self.engine.tokenizer
-
-    def generate(self, prompts: str | list[str] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(sampling_params, SequenceABC):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError("need one SamplingParams per prompt")
-        base = next(self.engine._seq_ids)
-        ids = [f"gen-{base}-{i}" for i in range(len(prompts))]
-        prompt_ids = {}
-        for rid, prompt, params in zip(ids, prompts, sampling_params):  # all checked before any is queued
-            prompt_ids[rid] = self.engine.tokenize(prompt)
-            self.engine.validate(prompt_ids[rid], params or SamplingParams())
-        done: dict[str, GenerationResult] = {}
-        results = {rid: GenerationResult(rid, prompt_ids[rid], "", [], "", 0, None) for rid in ids}
-        submitted: list[str] = []
-        try:
-            for rid, params in zip(ids, sampling_params):
-                self.engine.add_request(rid, prompt_ids[rid], params)
-                submitted.append(rid)
-            self._run(ids, results, done)
-        except BaseException:  # nothing of this call may stay queued (KeyboardInterrupt included)
-            for rid in submitted:
-                if rid not in done:
-                    self.engine.abort(rid)
-            try:
-                while any(rid not in done for rid in submitted) and self.engine.has_unfinished():
-                    for out in self.engine.step():  # drain the aborts so the blocks come back now
-                        if out.finished:
-                            done[out.request_id] = results.get(out.request_id)
-            except Exception:  # noqa: BLE001 - the engine itself is broken: the first error is the one to raise
-                logger.exception("could not drain aborted requests")
-            raise
-        return [done[rid] for rid in ids]
-
-    def _run(self, ids: list[str], results: dict[str, GenerationResult], done: dict) -> None:
-        while len(done) < len(ids):
-            for out in self.engine.step():
-                res = results[out.request_id]
-                res.text += out.text
-                res.token_ids.extend(out.new_token_ids)
-                res.logprobs.extend(out.logprobs)
-                if out.prompt_logprobs is not None:
-                    res.prompt_logprobs = out.prompt_logprobs
-                if out.finished:
-                    res.finish_reason, res.num_cached_tokens, res.metrics = (
-                        out.finish_reason, out.num_cached_tokens, out.metrics)
-                    done[out.request_id] = res
+    def stats(self) -> EngineStats:
+        """The engine's state now. Any thread (counters read without the engine lock: a snapshot, not a fence)."""
+        s = self.scheduler.stats
+        return EngineStats(self.scheduler.num_running, self.num_waiting, self.block_manager.usage(),
+                           s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits,
+                           self.speculator.stats if self.speculator is not None else None)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
-from engine import compiled
 from engine.attention import AttentionMetadata, get_backend
 from engine.config import EngineConfig, ModelConfig, dtype_size
+from engine.layers.dispatch import KernelTable, kernel_table
+from engine.layers.fused_decode import FusedDecoder
 from engine.models.llama import LlamaModel
 from engine.prompt_logprobs import prompt_logprobs
 from engine.sampler import Sampler, SampleRequest, TokenLogprob
@@ -41,14 +41,17 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model: LlamaModel,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, table: KernelTable | None = None) -> None:
         self.config = config
         self.model_config = model_config
         self.model = model
         self.device = device
         self.dtype = dtype
         self.block_size = config.cache.block_size
-        self.backend = get_backend(config.attention_backend, device)
+        table = table or kernel_table(device, dtype, config.kernel_policy)
+        self.backend = get_backend(config.attention_backend, device, table, self.block_size)
+        # a small decode step on the CPU: each layer in one C++ call (None where the model has no fused form)
+        self.fused = FusedDecoder.build(model) if self.backend.name == "cpu" and model is not None else None
         self.sampler = Sampler(config.seed, device)
         self.num_blocks = self._num_blocks()
         cfg = model_config
@@ -61,12 +64,6 @@ class ModelRunner:
         self.graph_runner = None
         if config.cuda_graphs and device.type == "cuda" and self.backend.name == "triton":
             self.graph_runner = self._capture_graphs()
-        self.halves = None  # compiled (pre, post) halves of the decoder layers; None: eager
-        self.compile_s = 0.0  # warm-up time, cache hits included
-        if config.compile and device.type == "cpu":  # CUDA has its graphs (engine/graph_runner.py)
-            t0 = time.perf_counter()
-            self.halves = compiled.build(model, dtype)
-            self.compile_s = time.perf_counter() - t0
 
     def _capture_graphs(self):
         from engine.graph_runner import DecodeGraphRunner
@@ -168,7 +165,7 @@ class ModelRunner:
                                            host.block_tables)
         else:
             hidden = self._forward(host.input_ids.to(self.device), host.positions.to(self.device),
-                                   host.metadata(self.device, query_lens, seq_lens))
+                                   self._backend_metadata(host.metadata(self.device, query_lens, seq_lens)))
 
         # logits only at each sampling sequence's last scheduled token
         ends = host.query_start_loc[1:].tolist()  # one conversion, not a tensor index per sequence
@@ -191,12 +188,10 @@ class ModelRunner:
         return sampled, logprobs, prompt_lps
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.halves is not None:
-            try:
-                return self.model(input_ids, positions, self.kv_caches, meta, self.backend, halves=self.halves)
-            except Exception:  # an eager rerun rewrites the same KV slots: the step stays correct
-                logger.exception("compiled step failed; running eagerly from now on")
-                self.halves = None
+        if self.fused is not None:
+            hidden = self.fused(input_ids, positions, self.kv_caches, meta, self.backend)
+            if hidden is not None:
+                return hidden
         return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
     def _prompt_logprobs(self, step: StepInput, order: list[int], ends: list[int],
@@ -233,11 +228,14 @@ class ModelRunner:
             sampled[sampling[j][1]] = tokens
         return sampled, logprobs
 
+    def _backend_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        return self.backend.build_metadata(meta, self.model_config.num_kv_heads, self.dtype)
+
     def _metadata(self, positions: list[int], query_lens: list[int], seq_lens: list[int],
                   tables: list[list[int]]) -> AttentionMetadata:
-        """Metadata for a batch given as lists (tests and tools; `run` builds its own)."""
+        """Metadata for a batch given as lists (the profile run, tests and tools; `run` builds its own)."""
         host = _HostBatch.build([0] * len(positions), positions, query_lens, seq_lens, tables, self.block_size)
-        return host.metadata(self.device, query_lens, seq_lens)
+        return self._backend_metadata(host.metadata(self.device, query_lens, seq_lens))
 
 
 @dataclass(slots=True)

@@ -5,7 +5,9 @@
 
 fitted online by least squares over the most recent steps the runner actually timed (exponentially
 forgotten, so it follows load changes; coefficients kept >= 0). The scheduler asks it the inverse
-question: how many prefill tokens fit in this step's time target next to these decodes?
+question: how many prefill tokens fit in this step's time target next to these decodes? Speculative
+decoding asks what one more token costs next to a batch of decodes (a draft token being verified is a
+multi-token query like a prompt chunk, so it costs `per_prefill_token`).
 
 The default target (`max_step_ms` unset) is twice the predicted cost of the step's decodes alone, so a
 running stream at most about doubles its inter-token time while prompts are admitted, and prompts still
@@ -104,6 +106,13 @@ class StepCostModel:
                 return None
             target_ms = DEFAULT_TARGET_FACTOR * base
         return max(0, int((target_ms - base) / self.coef[1]))
+
+    def extra_token_cost(self, decode_seqs: int, context_tokens: int) -> float | None:
+        """One more token in a step of these decodes, as a fraction of that step's time (None: not fitted)."""
+        base = self.predict(StepShape(0, decode_seqs, context_tokens))
+        if base is None or base <= 0:
+            return None
+        return float(self.coef[1]) / base
 
     def describe(self) -> str:
         if self.coef is None:

@@ -1,6 +1,8 @@
 """The C++ kernels built for other CPUs than this one: AVX-512 without AVX512-BF16 (the machines where fp32 is the
-fast dtype) and AVX2 only. Each `#ifdef` path is then compiled and run here, against the same references as the
-native build's tests. A subprocess per target: the ops register under one name per process."""
+fast dtype), AVX2 only, and baseline x86-64 (SSE2: the scalar paths, which are what an Arm machine runs). Each
+`#ifdef` path is then compiled and run here, against the same references as the native build's tests. A
+subprocess per target: the ops register under one name per process. Each target is a fresh build (about a
+minute), so these are in the slow tier."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+
+from engine.machine import cpu
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,22 +23,29 @@ cpu_kernels.CFLAGS = [f"-march={sys.argv[1]}" if f.startswith("-march") else f f
 assert cpu_kernels.load(), "the kernels did not build"
 import torch
 import torch.nn.functional as F
-from engine.quant.formats import INT4_GEMV_MAX_M, INT8_PACKED_MAX_M, quantize
+from engine.layers.dispatch import KernelTable
+from engine.layers.linear import Linear
+from engine.quant.formats import quantize
 torch.manual_seed(0)
+table = KernelTable(cpp=True)
+gemv_max = table.quant_gemv_max_rows
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
     for fmt, (n, k), group in (("int8", (112, 1152), 32), ("int8", (960, 576), 32), ("int8", (48, 8224), 32),
                                ("int4", (112, 1152), 32), ("int4", (64, 1120), 32), ("int4", (960, 576), 64),
                                ("int4", (576, 1536), 128)):
         qw = quantize(torch.randn(n, k) * 0.02, fmt, group)
+        if fmt == "int4":  # a Q4_1-style zero point: the bias term of every int4 path is exercised
+            qw.zero = (torch.randn(n, k // group) * 0.01).half().float() + 8 * qw.scale.float()
         ref = qw.dequantize()
-        qw.prepare(torch.device("cpu"), dtype)
-        gemv_max = INT8_PACKED_MAX_M if fmt == "int8" else INT4_GEMV_MAX_M
+        lin = Linear(k, n)
+        lin.quantize_to(qw)
+        lin.select_kernels(table, torch.device("cpu"), dtype)
+        assert qw.layout == "panels", (fmt, n, k)  # our kernels, not torch's fallback
         for m in (1, 2, 3, 4, 5, 8, 13, gemv_max, gemv_max + 1):
             # the GEMVs run on int8 codes of the activations, a scale per 32: ~5e-3 (test_quant.py)
-            assert qw.gemv_operands() is not None, (fmt, n, k)  # our panels, not torch's fallback
             t = 1e-2 if m <= gemv_max else {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
             x = torch.randn(m, k).to(dtype)
-            got, want = qw.matmul(x).float(), x.float() @ ref.t()
+            got, want = lin(x).float(), x.float() @ ref.t()
             rel = ((got - want).norm() / want.norm()).item()
             assert rel < 2 * t, (fmt, dtype, n, k, m, rel)
     for n, k, m in ((7, 5, 1), (960, 576, 1), (576, 1536, 2), (40, 4099, 3)):
@@ -62,18 +73,11 @@ print("ok")
 """
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        return set()
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,needs", [("skylake-avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
-                                        ("x86-64-v3", {"avx2", "fma", "f16c"})])
+                                        ("x86-64-v3", {"avx2", "fma", "f16c"}), ("x86-64", {"sse2"})])
 def test_kernels_built_for_other_cpus(tmp_path, arch, needs):
-    if os.uname().machine != "x86_64" or not needs <= _cpu_flags():
+    if os.uname().machine != "x86_64" or not needs <= (cpu().flags or set()):
         pytest.skip(f"this CPU cannot run code built for {arch}")
     env = dict(os.environ, PAGEDSERVE_CACHE_DIR=str(tmp_path), PYTHONPATH=REPO)
     r = subprocess.run([sys.executable, "-c", CHECK, arch], cwd=REPO, env=env, capture_output=True, text=True,

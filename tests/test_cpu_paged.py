@@ -16,15 +16,15 @@ from engine.attention import cpu_paged as cp
 from engine.attention import get_backend
 from engine.attention import torch_paged as ref
 from engine.attention.base import AttentionMetadata
+from engine.layers.dispatch import KernelTable
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = cp.load_kernel()
-    assert k is not None, "the kernel must build on the test machine"
-    return k
+    """A backend factory: every sequence with up to `max_query` query tokens through the kernel."""
+    return lambda max_query=10**9: cp.CpuPagedAttention(KernelTable(cpp=True, attention_kernel_max_query=max_query))
 
 
 def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, shared_blocks=0, seed=0):
@@ -66,7 +66,7 @@ def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, 
 def check(batch, dtype, kernel, max_kernel_query_len=10**9, scale=0.125):
     """Our backend (every sequence through the kernel by default) against the fp32 reference."""
     q, k, v, (rk, rv), (ok, ov), meta = batch
-    out = cp.CpuPagedAttention(kernel, max_kernel_query_len).forward(q, k, v, ok, ov, meta, scale)
+    out = kernel(max_kernel_query_len).forward(q, k, v, ok, ov, meta, scale)
     rk32, rv32 = rk.float(), rv.float()
     want = ref.TorchPagedAttention().forward(q.float(), k.float(), v.float(), rk32, rv32, meta, scale)
     slots = meta.slot_mapping
@@ -117,23 +117,25 @@ def test_padding_slots_are_not_stored(kernel):
     q, k, v, (rk, rv), (ok, ov), meta = make_batch([1, 1], [10, 20], 4, 2, 64, 16, torch.float32)
     meta.slot_mapping[1] = -1
     before = ok.clone()
-    cp.CpuPagedAttention(kernel).forward(q, k, v, ok, ov, meta, 0.125)
+    kernel().forward(q, k, v, ok, ov, meta, 0.125)
     changed = (ok != before) & ~(ok.isnan() & before.isnan())
     assert int(changed.any(dim=(1, 2, 3)).sum()) == 1  # only the first sequence's block was written
 
 
-def test_compile_failure_falls_back_to_the_reference(monkeypatch, tmp_path, caplog):
+def test_compile_failure_falls_back_to_the_reference_or_fails_when_required(monkeypatch, tmp_path, caplog):
     from engine import cpu_kernels
 
-    bad = tmp_path / "broken.cpp"
-    bad.write_text("#error this does not compile\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCES", [bad])
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "broken.cpp").write_text("#error this does not compile\n")
+    monkeypatch.setattr(cpu_kernels, "CSRC", tmp_path / "csrc")
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(cpu_kernels.KernelBuildError):  # the test suite and CI require the kernels
+        cpu_kernels.load.__wrapped__()
+    monkeypatch.delenv("PAGEDSERVE_REQUIRE_KERNELS")
     with caplog.at_level(logging.WARNING):
         assert cpu_kernels.load.__wrapped__() is False
     assert "PyTorch paths" in caplog.text
-    monkeypatch.setattr(cp, "load_kernel", lambda: None)
-    assert get_backend("auto", torch.device("cpu")).name == "torch"
+    assert get_backend("auto", torch.device("cpu"), KernelTable(cpp=False)).name == "torch"
 
 
 def test_auto_picks_the_kernel_on_cpu(kernel):

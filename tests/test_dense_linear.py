@@ -6,10 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine.models.llama as llama
-from engine import cpu_kernels
-
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels did not build")
+from engine.layers.dispatch import KernelTable
+from engine.layers.linear import Linear
 # relative error of the whole output against an fp32 reference: fp32 differs by summation order only; bf16 and
 # fp16 round the output once (2^-9 and 2^-12 relative at most), plus the fp32 sums
 TOL = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float16: 1e-3}
@@ -42,23 +40,26 @@ def test_dense_linear_rejects_mismatched_inputs():
         torch.ops.pagedserve.dense_linear(torch.randn(1, 16).double(), w.double(), None)
 
 
-@pytest.mark.parametrize("dtype,keep_plain", [(torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)])
-def test_linear_routes_by_row_count(dtype, keep_plain, monkeypatch):
-    """One or two rows take the GEMV where the plain weight is kept; more rows, or a dropped plain weight, take
-    the packed/F.linear path; the result agrees either way."""
+@pytest.mark.parametrize("dtype,prepack,keep_plain", [(torch.float32, False, True), (torch.float32, True, True),
+                                                      (torch.bfloat16, True, False), (torch.bfloat16, True, True)])
+def test_linear_routes_by_row_count(dtype, prepack, keep_plain):
+    """One or two rows take our GEMV where the row-major weight is kept; more rows, or a dropped row-major weight,
+    take oneDNN's prepacked copy (or F.linear); the result agrees either way."""
     torch.manual_seed(0)
-    lin = llama.Linear(576, 960, bias=True).to(dtype)
+    lin = Linear(576, 960, bias=True).to(dtype)
+    torch.nn.init.normal_(lin.weight)
+    torch.nn.init.normal_(lin.bias)
     ref = lin.weight.detach().float().clone(), lin.bias.detach().float().clone()
-    if dtype == torch.bfloat16:  # fp32 weights stay plain, unpacked
-        lin.pack(keep_weight=keep_plain)
-    calls = []
-    real = torch.ops.pagedserve.dense_linear
-    monkeypatch.setattr(llama.torch.ops.pagedserve, "dense_linear", lambda *a: calls.append(a) or real(*a),
-                        raising=False)
+    table = KernelTable(cpp=True)
+    lin.select_kernels(table, torch.device("cpu"), dtype, prepack=prepack, keep_plain=keep_plain)
+    kernels = [r.kernel for r in lin.routes]
+    big = "oneDNN, prepacked" if prepack else "F.linear"
+    assert kernels == (["dense GEMV (ours)", big] if keep_plain else [big])
+    assert (lin.fused_operands() is not None) == keep_plain
     for m in (1, 2, 3, 64):
         x = torch.randn(m, 576).to(dtype)
         got = lin(x).float()
         want = F.linear(x.float(), *ref)
         assert ((got - want).norm() / want.norm()).item() < TOL[dtype]
-        assert bool(calls) == (m <= llama.DENSE_GEMV_MAX_M and keep_plain), (m, len(calls))
-        calls.clear()
+        ours = next(r for r in lin.routes if m <= r.max_rows).kernel == "dense GEMV (ours)"
+        assert ours == (m <= table.dense_gemv_max_rows and keep_plain), m

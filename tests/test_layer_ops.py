@@ -1,4 +1,5 @@
-"""The fused C++ layer ops (engine/csrc/layer_ops.cpp) against the PyTorch ops they replace."""
+"""The C++ layer ops (engine/csrc/layer_ops.cpp) against the PyTorch ops they replace, through the layers that
+choose between them (engine/layers/)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine.models.llama as llama
-from engine import cpu_kernels
+from engine.config import ModelConfig
+from engine.layers.activation import SiluAndMul
+from engine.layers.dispatch import KernelTable
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels did not build")
+CPU = torch.device("cpu")
 # fp32: accumulation order only; bf16: the fused ops round where the PyTorch path rounds, so at most one
 # bf16 step (2^-8 relative) apart
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
@@ -20,12 +24,9 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     assert torch.allclose(a.float(), b.float(), rtol=TOL[dtype], atol=TOL[dtype] * b.float().abs().max().item())
 
 
-@pytest.fixture
-def pytorch_path(monkeypatch):
-    """Run the model's PyTorch ops instead of the fused ones."""
-    def use():
-        monkeypatch.setattr(llama, "fused_ops", lambda x: False)
-    return use
+def _use(cpp: bool, *layers) -> None:
+    for layer in layers:
+        layer.select_kernels(KernelTable(cpp=cpp), CPU)
 
 
 # (hidden, intermediate, head dim): a toy shape whose rows are shorter than a vector, and SmolLM2's, whose
@@ -33,45 +34,46 @@ def pytorch_path(monkeypatch):
 @pytest.mark.parametrize("shape", [(96, 160, 16), (576, 1536, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 40, 300])
-def test_norm_rope_mlp_layer_match(dtype, rows, shape, pytorch_path):
+def test_norm_rope_silu_match(dtype, rows, shape):
     torch.manual_seed(0)
     hidden, inter, hd = shape
-    cfg = llama.ModelConfig(architecture="llama", vocab_size=64, hidden_size=hidden, intermediate_size=inter,
-                            num_layers=1, num_heads=hidden // hd, num_kv_heads=hidden // hd // 3, head_dim=hd,
-                            max_position_embeddings=512, rms_norm_eps=1e-5)
-    layer = llama.DecoderLayer(cfg).to(dtype)
-    for p in layer.parameters():
-        p.data.normal_(0, 0.2)
-    rope = llama.RotaryEmbedding(cfg, 512)
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=hidden, intermediate_size=inter,
+                      num_layers=1, num_heads=hidden // hd, num_kv_heads=hidden // hd // 3, head_dim=hd,
+                      max_position_embeddings=512, rms_norm_eps=1e-5)
+    norm = RMSNorm(hidden, cfg.rms_norm_eps).to(dtype)
+    norm.weight.data.normal_(0, 0.2)
+    rope, act = RotaryEmbedding(cfg, 512), SiluAndMul()
     cos, sin = rope(torch.arange(3, 3 + rows), dtype)
     x = torch.randn(rows, hidden).to(dtype)
     qkv = torch.randn(rows, 10, hd).to(dtype)
     gate_up = torch.randn(rows, 2 * inter).to(dtype)
     h, a = torch.randn(rows, hidden).to(dtype), torch.randn(rows, hidden).to(dtype)
-    norm = layer.post_attention_layernorm
 
-    fused = {"norm": norm(x), "rope": llama.apply_rope(qkv.clone()[:, :8], cos, sin).clone(),
-             "silu": torch.ops.pagedserve.silu_and_mul(gate_up)}
+    _use(True, norm, rope, act)
     h2 = h.clone()
-    fused["add_norm"] = torch.ops.pagedserve.add_rms_norm(a, h2, norm.weight, norm.eps)
-    pytorch_path()
+    fused = {"norm": norm(x), "rope": rope.rotate(qkv.clone()[:, :8], cos, sin).clone(), "silu": act(gate_up),
+             "add_norm": norm.add_and_norm(a, h2)}
+    assert fused["add_norm"][1] is h2  # the residual was updated in place
+    _use(False, norm, rope, act)
     _close(fused["norm"], norm(x), dtype)
-    _close(fused["rope"], llama.apply_rope(qkv[:, :8], cos, sin), dtype)
+    _close(fused["rope"], rope.rotate(qkv[:, :8], cos, sin), dtype)
     g, u = gate_up.chunk(2, dim=-1)
     _close(fused["silu"], F.silu(g) * u, dtype)
-    ref_h = h + a
-    _close(h2, ref_h, dtype)  # the residual was updated in place
-    _close(fused["add_norm"], norm(ref_h), dtype)
+    ref_normed, ref_h = norm.add_and_norm(a, h)
+    _close(h2, ref_h, dtype)
+    _close(fused["add_norm"][0], ref_normed, dtype)
 
 
 def test_rope_leaves_v_alone_and_works_on_strided_views():
     torch.manual_seed(1)
-    cfg = llama.ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
-                            num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)
-    cos, sin = llama.RotaryEmbedding(cfg, 64)(torch.tensor([0, 7, 20]), torch.float32)
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)
+    rope = RotaryEmbedding(cfg, 64)
+    _use(True, rope)
+    cos, sin = rope(torch.tensor([0, 7, 20]), torch.float32)
     qkv = torch.randn(3, 4, 16)
     before = qkv.clone()
-    out = llama.apply_rope(qkv[:, :3], cos, sin)
+    out = rope.rotate(qkv[:, :3], cos, sin)
     assert out.data_ptr() == qkv.data_ptr()  # in place, through the strided view
     assert torch.equal(qkv[:, 3], before[:, 3])  # v untouched
     assert torch.allclose(out[0], before[0, :3])  # position 0: cos 1, sin 0

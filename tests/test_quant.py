@@ -7,28 +7,19 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import cpu_has_fast_bf16
-from engine.quant.formats import (
-    FORMATS,
-    INT4_GEMV_MAX_M,
-    INT8_PACKED_MAX_M,
-    NF4_LEVELS,
-    Int4Weight,
-    Int8Weight,
-    NF4Weight,
-    cat,
-    default_group_size,
-    from_panels,
-    int8_from_panels,
-    int8_to_panels,
-    pack_nibbles,
-    quantize,
-    relative_error,
-    to_panels,
-    unpack_nibbles,
-)
+from engine.layers.dispatch import KernelTable, kernel_table
+from engine.layers.linear import Linear
+from engine.machine import cpu
+from engine.quant.formats import FORMATS, cat, default_group_size, quantize, relative_error
+from engine.quant.int4 import Int4Weight
+from engine.quant.int8 import Int8Weight
+from engine.quant.layouts import from_panels, int8_from_panels, int8_to_panels, pack_nibbles, to_panels, \
+    unpack_nibbles
+from engine.quant.nf4 import NF4_LEVELS, NF4Weight
 
-ACT_DTYPES = [torch.float32] + ([torch.bfloat16] if cpu_has_fast_bf16() else [])
+ACT_DTYPES = [torch.float32] + ([torch.bfloat16] if cpu().native_bf16 else [])
+TABLE = KernelTable()
+INT8_PACKED_MAX_M = INT4_GEMV_MAX_M = TABLE.quant_gemv_max_rows
 # relative error of a kernel's x @ W^T against x @ dequantize(W)^T: fp32 accumulation-order noise, or bf16
 # activations (8-bit mantissa) in the kernels and reference alike
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -38,6 +29,14 @@ GEMV_TOL = 1e-2
 # every split of a GEMV's rows into passes of 8, 4 and 1-3 rows, the threshold and the first GEMM row count
 ROW_COUNTS = [*range(1, 18), 31, INT8_PACKED_MAX_M, INT8_PACKED_MAX_M + 1]
 SHAPES = [(64, 128), (960, 576), (576, 1536), (3072, 576)]  # toy, then SmolLM2's qkv, down, gate|up
+
+
+def linear(qw, dtype: torch.dtype, table: KernelTable | None = None) -> Linear:
+    """A Linear over `qw` with its kernels picked as the engine picks them (this machine's table, or `table`)."""
+    lin = Linear(qw.shape[1], qw.shape[0])
+    lin.quantize_to(qw)
+    lin.select_kernels(table or kernel_table(torch.device("cpu"), dtype), torch.device("cpu"), dtype)
+    return lin
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -92,15 +91,15 @@ def test_kernels_match_dequantize_reference(fmt, shape, dtype):
     torch.manual_seed(2)
     n, k = shape
     qw = quantize(torch.randn(n, k) * 0.02, fmt, default_group_size([k]))
-    ref_w = qw.dequantize()  # before prepare: from the row-major codes
-    qw.prepare(torch.device("cpu"), dtype)
+    ref_w = qw.dequantize()  # before it is laid out: from the row-major codes
+    lin = linear(qw, dtype)
     # torch's int4 kernel may run in bf16 under an fp32 model (where that measured faster), its scales and
     # zeros kept in bf16: that kernel's tolerance
     tol = TOL[getattr(qw, "kernel_dtype", None) or dtype]
     assert torch.allclose(qw.dequantize(), ref_w, rtol=tol, atol=tol * ref_w.abs().max().item())
     for m in (1, 5, 9, INT8_PACKED_MAX_M, INT8_PACKED_MAX_M + 1):
         x = torch.randn(m, k).to(dtype)
-        got = qw.matmul(x)
+        got = lin(x)
         assert got.dtype == dtype and got.shape == (m, n)
         gemv = (fmt in ("int8", "int8-tensor") and m <= INT8_PACKED_MAX_M) or (
             fmt in ("int4", "int4-tensor") and m <= INT4_GEMV_MAX_M)
@@ -118,12 +117,12 @@ def test_int4_gemv_every_row_count_and_group(group, dtype):
     m = (torch.randn(n, k // group) * 0.01).half().float()  # Q4_1's m: zero = m + 8 d (quantize is symmetric)
     qw.zero = m + 8 * qw.scale.float()
     ref_w = qw.dequantize()
-    qw.prepare(torch.device("cpu"), dtype)
+    lin = linear(qw, dtype)
     tol = TOL[getattr(qw, "kernel_dtype", None) or dtype]
     for m in ROW_COUNTS:
         x = torch.randn(m, k).to(dtype)
         gemv = m <= INT4_GEMV_MAX_M
-        assert _rel(qw.matmul(x), x.float() @ ref_w.t()) < max(tol, GEMV_TOL if gemv else 0) * 2, (group, m)
+        assert _rel(lin(x), x.float() @ ref_w.t()) < max(tol, GEMV_TOL if gemv else 0) * 2, (group, m)
 
 
 @pytest.mark.parametrize("dtype", ACT_DTYPES)
@@ -135,38 +134,33 @@ def test_gemv_tails_and_long_rows(dtype):
     for fmt, (n, k) in (("int8", (48, 8224)), ("int8", (40, 8200)), ("int4", (64, 1120)), ("int4", (100, 1152))):
         qw = quantize(torch.randn(n, k) * 0.02, fmt, 32)
         ref_w = qw.dequantize()
-        qw.prepare(torch.device("cpu"), dtype)
+        lin = linear(qw, dtype)
         for m in ROW_COUNTS:
             x = torch.randn(m, k).sign().to(dtype) * 3  # every activation code at full scale (+-127)
-            ours = qw.gemv_operands() is not None
+            ours = qw.layout == "panels"
             tol = GEMV_TOL if ours else TOL[getattr(qw, "kernel_dtype", None) or torch.bfloat16]
-            assert _rel(qw.matmul(x), x.float() @ ref_w.t()) < tol * 2, (fmt, n, m)
+            assert _rel(lin(x), x.float() @ ref_w.t()) < tol * 2, (fmt, n, m)
 
 
 @pytest.mark.parametrize("built", [True, False])
-def test_int8_gemv_odd_widths_and_without_our_kernel(monkeypatch, built):
-    """Rows not a multiple of 16 and a K not of 32 (no panels) with and without the C++ kernels built: torch's packed
-    kernel at every M up to the threshold."""
-    from engine import cpu_kernels
-
-    if not built:
-        monkeypatch.setattr(cpu_kernels, "load", lambda: False)
+def test_int8_gemv_odd_widths_and_without_our_kernel(built):
+    """Rows not a multiple of 16 and a K not of 32 (no panels) with and without the C++ kernels: torch's packed
+    kernel at every M up to the threshold, then a GEMM on the codes."""
     torch.manual_seed(4)
     qw = Int8Weight.quantize(torch.randn(37, 100))
     ref_w = qw.dequantize()
-    qw.prepare(torch.device("cpu"), torch.float32)
+    lin = linear(qw, torch.float32, KernelTable(cpp=built, torch_int_bf16=True))
+    assert [r.kernel for r in lin.routes] == ["torch _weight_int8pack_mm", "GEMM on the int8 codes"]
     for m in ROW_COUNTS:
         for dtype in ACT_DTYPES:
             x = torch.randn(m, 100).to(dtype)
             tol = TOL[torch.bfloat16]  # torch's kernel may run in bf16
-            assert _rel(qw.matmul(x), x.float() @ ref_w.t()) < tol * 2, (m, dtype)
+            assert _rel(lin(x), x.float() @ ref_w.t()) < tol * 2, (m, dtype)
 
 
 @pytest.mark.parametrize("zero", [False, True])
-def test_int4_without_our_kernel_matches(monkeypatch, zero):
+def test_int4_without_our_kernel_matches(zero):
     """Our int4 GEMV and torch's packed kernel (the fallback) compute the same products, with Q4_1-style zeros."""
-    from engine import cpu_kernels
-
     torch.manual_seed(5)
     qw = Int4Weight.quantize(torch.randn(48, 128), 32)
     if zero:  # as the GGUF loader maps Q4_1's d * c + m: zero = m + 8d, with fp16 d and m
@@ -175,25 +169,22 @@ def test_int4_without_our_kernel_matches(monkeypatch, zero):
     ours, theirs = Int4Weight(qw.codes, qw.scale, qw.zero, "int4", 32), Int4Weight(qw.codes, qw.scale, qw.zero,
                                                                                       "int4", 32)
     ref_w = qw.dequantize()
-    ours.prepare(torch.device("cpu"), torch.float32)
-    monkeypatch.setattr(cpu_kernels, "load", lambda: False)
-    theirs.prepare(torch.device("cpu"), torch.float32)
-    assert ours.kernel_dtype is None and theirs.kernel_dtype is not None  # two different kernels
+    lin_ours = linear(ours, torch.float32, KernelTable(cpp=True))
+    lin_theirs = linear(theirs, torch.float32, KernelTable(cpp=False, torch_int_bf16=True))
+    assert ours.layout == "panels" and theirs.layout == "torch" and theirs.kernel_dtype == torch.bfloat16
     for m in (1, 3):
         x = torch.randn(m, 128)
-        assert _rel(ours.matmul(x), x @ ref_w.t()) < GEMV_TOL * 2
-        assert _rel(theirs.matmul(x), x @ ref_w.t()) < TOL[theirs.kernel_dtype] * 2
+        assert _rel(lin_ours(x), x @ ref_w.t()) < GEMV_TOL * 2
+        assert _rel(lin_theirs(x), x @ ref_w.t()) < TOL[theirs.kernel_dtype] * 2
 
 
-def test_fused_rows_and_row_permutation():
+def test_fused_rows():
     torch.manual_seed(3)
     a, b = torch.randn(32, 128), torch.randn(64, 128)
     for fmt in FORMATS:
         qa, qb = quantize(a, fmt, 32), quantize(b, fmt, 32)
         fused = cat([qa, qb])
         assert torch.equal(fused.dequantize(), torch.cat([qa.dequantize(), qb.dequantize()]))
-        rows = torch.randperm(32)
-        assert torch.equal(qa.take_rows(rows).dequantize(), qa.dequantize()[rows])
 
 
 def _gguf_tensor(kind: str):
@@ -220,21 +211,20 @@ def test_gguf_blocks_map_directly(kind):
     assert qw is not None and qw.format == ("int4" if kind == "Q4_1" else "int8")
     got = qw.dequantize().numpy()
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
-    if kind == "Q4_1":  # and the CPU kernel computes with those values (in bf16 where it runs in bf16)
-        qw.prepare(torch.device("cpu"), torch.float32)
+    if kind == "Q4_1":  # and the CPU kernel computes with those values
+        lin = linear(qw, torch.float32)
         x = torch.randn(2, shape[1])
-        assert _rel(qw.matmul(x), x @ torch.from_numpy(ref).t()) < (
-            TOL[qw.kernel_dtype] if qw.kernel_dtype else GEMV_TOL)
+        assert qw.layout == "panels" and _rel(lin(x), x @ torch.from_numpy(ref).t()) < GEMV_TOL
     else:  # an embedding lookup returns the dequantized rows, and (a tied LM head) the kernels use the Q8_0 scales
         ids = torch.tensor([0, 5, 49151])
         np.testing.assert_allclose(qw.rows(ids, torch.float32).numpy(), ref[ids.numpy()], rtol=1e-6, atol=1e-7)
-        qw.prepare(torch.device("cpu"), torch.float32)
-        assert qw.gemv_operands() is not None  # our int8 panels, with a scale per 32
+        lin = linear(qw, torch.float32)
+        assert qw.layout == "panels"  # our int8 panels, with a scale per 32
         np.testing.assert_allclose(qw.rows(ids, torch.float32).numpy(), ref[ids.numpy()], rtol=1e-6, atol=1e-7)
         for m in (2, INT8_PACKED_MAX_M + 1):  # the GEMV, then the tiled GEMM
             x = torch.randn(m, shape[1])
             tol = GEMV_TOL if m <= INT8_PACKED_MAX_M else TOL[torch.float32]
-            assert _rel(qw.matmul(x), x @ torch.from_numpy(ref).t()) < tol * 2, m
+            assert _rel(lin(x), x @ torch.from_numpy(ref).t()) < tol * 2, m
     assert blocks.direct("int8", 32) is None or kind == "Q8_0"  # Q4 blocks do not fit per-row int8
 
 
@@ -273,15 +263,14 @@ def test_int8_engine_agrees_with_unquantized(make_engine, int8_engine, smollm, c
     from conftest import run_to_completion
 
     from engine import SamplingParams
-    from engine.quant.formats import Int8Weight
-    from engine.quant.modules import QuantEmbedding, QuantLinear, weight_bytes_by_format
+    from engine.models.loader import weight_bytes
 
     model = int8_engine.runner.model
-    assert isinstance(model.layers[0].mlp.down_proj, QuantLinear) and isinstance(model.lm_head, QuantLinear)
-    assert isinstance(model.embed_tokens, QuantEmbedding)
+    assert isinstance(model.layers[0].mlp.down_proj.qweight, Int8Weight) and model.lm_head.qweight is not None
+    assert model.lm_head.qweight is model.embed_tokens.qweight  # the tied head is the Q8_0 embedding's storage
     assert isinstance(model.embed_tokens.qweight, Int8Weight) and model.embed_tokens.qweight.group == 32  # Q8_0
-    sizes = weight_bytes_by_format(model)
-    dense = sum(weight_bytes_by_format(smollm.model).values())
+    sizes = weight_bytes(model)
+    dense = sum(weight_bytes(smollm.model).values())
     assert sizes["int8"] / 2**20 < 170 and sum(sizes.values()) < 0.35 * dense
 
     prompts = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
@@ -328,7 +317,6 @@ def test_hf_directory_quantized_on_load(tmp_path, fmt, kind, extra):
     from test_models import _hf_checkpoint
 
     from engine import LLM, SamplingParams
-    from engine.quant.modules import QuantEmbedding, QuantLinear
 
     hf = _hf_checkpoint(tmp_path, kind, **extra)
     llm = LLM(str(tmp_path), quantization=fmt, dtype="float32", num_blocks=32, quantize_lm_head=True)
@@ -338,12 +326,12 @@ def test_hf_directory_quantized_on_load(tmp_path, fmt, kind, extra):
     assert group == 32
     attn = model.layers[1].self_attn
     expected = cat([quantize(sd[f"model.layers.1.self_attn.{p}_proj.weight"], fmt, group) for p in "qkv"])
-    expected.prepare(torch.device("cpu"), torch.float32)  # the same kernel layout (and scale dtype)
+    linear(expected, torch.float32)  # the same kernel layout (and scale dtype)
     assert torch.equal(attn.qkv_proj.qweight.dequantize(), expected.dequantize())
     if kind == "qwen2":
         bias = torch.cat([sd[f"model.layers.1.self_attn.{p}_proj.bias"] for p in "qkv"])
         assert torch.equal(attn.qkv_proj.bias, bias)
-    assert isinstance(model.lm_head, QuantLinear) and isinstance(model.embed_tokens, QuantEmbedding)
+    assert model.lm_head.qweight is not None and model.embed_tokens.qweight is not None
     emb = model.embed_tokens(torch.tensor([3, 5]))
     assert _rel(emb, sd["model.embed_tokens.weight"][[3, 5]]) < 0.01  # int8 rows
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))

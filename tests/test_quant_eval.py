@@ -8,12 +8,13 @@ import math
 import pytest
 
 from engine import LLM
+from engine.config import bundled_text_path
 from engine.quant import eval as qeval
 
 
 def test_evaluate_on_the_reference_engine(make_engine, smollm):
     llm = LLM(engine=make_engine(max_num_batched_tokens=2048))
-    text_ids = smollm.tokenizer.encode(open(qeval.BOOK).read()[:4000], add_special_tokens=False)[:256]
+    text_ids = smollm.tokenizer.encode(open(bundled_text_path()).read()[:4000], add_special_tokens=False)[:256]
     prompts = qeval.battery_prompts(smollm.tokenizer)
     assert len(prompts) == len(qeval.BATTERY) == 16
     ppl, score, paths, agree = qeval.evaluate(llm, text_ids, prompts, None)

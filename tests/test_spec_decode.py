@@ -9,7 +9,8 @@ from engine import LLMEngine, SamplingParams, make_config
 from engine.sampler import SampleRequest
 from engine.sequence import Sequence
 from engine.spec_decode.proposer import NgramProposer
-from engine.spec_decode.speculator import StepCostModel, best_gamma, expected_tokens, speedup
+from engine.spec_decode.speculator import best_gamma, expected_tokens, speedup
+from engine.step_cost import StepCostModel, StepShape
 from engine.spec_decode.verifier import verify
 
 
@@ -146,12 +147,14 @@ def test_formula_matches_the_chapter():
     assert 1 <= best_gamma(0.7, 8, 0.1, 0.05) < 8
 
 
-def test_step_cost_fit():
+def test_extra_token_cost_from_the_engines_step_cost_model():
+    """One more verified draft token costs what a prompt token costs, relative to the decodes' own step."""
     m = StepCostModel()
-    for i in range(64):
-        tokens = 1 + i % 5
-        m.add(tokens, 0.020 + 0.002 * tokens)
-    assert m.extra_token_cost(1) == pytest.approx(0.002 / 0.022, rel=1e-6)
+    assert m.extra_token_cost(1, 100) is None  # not fitted: the speculator uses its prior
+    for i in range(64):  # 20 ms fixed, 2 ms per multi-token query token, 1 ms per decode
+        prefill, decodes = (i % 4) * 3, 1 + i % 5
+        m.observe(StepShape(prefill, decodes, 10 * decodes), 20.0 + 2.0 * prefill + 1.0 * decodes)
+    assert m.extra_token_cost(1, 10) == pytest.approx(2.0 / 21.0, rel=1e-3)
 
 
 def test_ngram_proposer_finds_the_longest_latest_match():

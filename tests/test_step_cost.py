@@ -144,7 +144,7 @@ def test_time_budget_keeps_the_scheduler_invariants(ops, num_blocks, block_size,
 
 def test_offline_llm_turns_the_step_time_target_off(monkeypatch):
     """LLM.generate returns everything at the end: no stream to protect, so no step-time target unless asked."""
-    from engine import llm_engine
+    from engine import llm as llm_module
 
     seen = []
 
@@ -154,8 +154,8 @@ def test_offline_llm_turns_the_step_time_target_off(monkeypatch):
         def __init__(self, config):
             seen.append(config)
 
-    monkeypatch.setattr(llm_engine, "LLMEngine", Engine)
-    llm_engine.LLM()
-    llm_engine.LLM(max_step_ms=None)
-    llm_engine.LLM(max_step_ms=50.0)
+    monkeypatch.setattr(llm_module, "LLMEngine", Engine)
+    llm_module.LLM()
+    llm_module.LLM(max_step_ms=None)
+    llm_module.LLM(max_step_ms=50.0)
     assert [c.scheduler.max_step_ms for c in seen] == [0, 0, 50.0]

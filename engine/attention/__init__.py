@@ -6,28 +6,29 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_paged import TorchPagedAttention
+from engine.layers.dispatch import KernelTable, kernel_table
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchPagedAttention", "get_backend"]
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` picks the Triton kernels on CUDA when Triton is importable, the C++ kernel on a CPU when it
-    compiles (else, with a logged warning, the PyTorch reference)."""
+def get_backend(name: str, device: torch.device, table: KernelTable | None = None,
+                block_size: int = 16) -> AttentionBackend:
+    """`auto` picks the Triton kernels on CUDA when Triton is importable, the C++ kernel on a CPU where the
+    dispatch table says our kernels are built (else the PyTorch reference)."""
+    table = table or kernel_table(device)
     if name == "auto":
         if device.type == "cuda":
             name = "triton" if _triton_available() else "torch"
         else:
-            from engine.attention.cpu_paged import load_kernel
-
-            name = "cpu" if load_kernel() is not None else "torch"
+            name = "cpu" if table.cpp else "torch"
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend=cpu runs on the CPU, not {device.type}")
         from engine.attention.cpu_paged import CpuPagedAttention
 
-        return CpuPagedAttention()
+        return CpuPagedAttention(table)
     if name == "torch":
-        return TorchPagedAttention()
+        return TorchPagedAttention(block_size)
     if name == "triton":
         from engine.attention.triton_paged import TritonPagedAttention
 

@@ -36,9 +36,17 @@ class AttentionBackend(ABC):
 
     Shapes: q [T, Hq, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]; returns [T, Hq, D].
     Attention is causal within the new tokens and full over the cached prefix.
+
+    The runner calls `build_metadata` once per step; every layer then passes its result back to `forward`, so
+    whatever a backend derives from the batch (kernel plans, masks, tile counts) is computed once and stays
+    inside the backend.
     """
 
     name: str = "abstract"
+
+    def build_metadata(self, meta: AttentionMetadata, num_kv_heads: int, dtype: torch.dtype) -> AttentionMetadata:
+        """This step's metadata as this backend wants it (default: the common fields only)."""
+        return meta
 
     @abstractmethod
     def forward(

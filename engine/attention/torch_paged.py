@@ -7,7 +7,7 @@ sequence at a time with SDPA (few per step, each large, so the loop costs little
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -15,19 +15,28 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V rows into their cache slots; slot -1 marks padding and is skipped."""
+def drop_padding(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(slots to store, the rows they come from or None when no row is padding, slot -1)."""
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    _store(k, v, k_cache, v_cache, slot_mapping)
+        return slot_mapping[keep], keep
+    return slot_mapping, None
 
 
-def _store(k, v, k_cache, v_cache, slots) -> None:
+def store_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               slots: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+    """Scatter the new K/V rows (those in `keep`, if given) into their cache slots."""
+    if keep is not None:
+        k, v = k[keep], v[keep]
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V rows into their cache slots; slot -1 marks padding and is skipped."""
+    store_rows(k, v, k_cache, v_cache, *drop_padding(slot_mapping))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -45,10 +54,9 @@ def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
 
 
 @dataclass(slots=True)
-class _StepPlan:
-    """Per-step tensors every layer shares (built once, at the first layer)."""
+class TorchAttentionMetadata(AttentionMetadata):
+    """The common fields plus the decodes' gathered block ids and mask, shared by every layer of the step."""
 
-    meta: AttentionMetadata
     slots: torch.Tensor  # slot_mapping without padding rows
     keep: torch.Tensor | None  # rows to store, None when there is no padding
     decode_tables: torch.Tensor | None  # [num_decodes * width] block ids
@@ -56,58 +64,54 @@ class _StepPlan:
     width: int
 
 
+_COMMON = [f.name for f in fields(AttentionMetadata)]
+
+
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
-    def __init__(self) -> None:
-        self._plan: _StepPlan | None = None
+    def __init__(self, block_size: int = 16) -> None:
+        self.block_size = block_size
 
-    def _plan_for(self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _StepPlan:
-        if self._plan is not None and self._plan.meta is meta:
-            return self._plan
-        keep = None
-        slots = meta.slot_mapping
-        if bool((slots < 0).any()):
-            keep = slots >= 0
-            slots = slots[keep]
+    def build_metadata(self, meta: AttentionMetadata, num_kv_heads: int, dtype: torch.dtype,
+                       block_size: int | None = None) -> TorchAttentionMetadata:
+        slots, keep = drop_padding(meta.slot_mapping)
         nd, tables, mask, width = meta.num_decodes, None, None, 0
         if nd:
+            block_size = block_size or self.block_size
             width = -(-max(meta.seq_lens_cpu[:nd]) // block_size)
             tables = meta.block_tables[:nd, :width].reshape(-1)
             pad = torch.arange(width * block_size, device=slots.device)[None, :] >= meta.seq_lens[:nd, None]
             mask = torch.zeros(pad.shape, dtype=dtype, device=slots.device).masked_fill_(pad, float("-inf"))
             mask = mask[:, None, None, :]
-        self._plan = _StepPlan(meta, slots, keep, tables, mask, width)
-        return self._plan
+        return TorchAttentionMetadata(*(getattr(meta, f) for f in _COMMON), slots, keep, tables, mask, width)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        plan = self._plan_for(meta, k_cache.shape[1], q.dtype)
-        if plan.keep is None:
-            _store(k, v, k_cache, v_cache, plan.slots)
-        else:
-            _store(k[plan.keep], v[plan.keep], k_cache, v_cache, plan.slots)
+        if not isinstance(meta, TorchAttentionMetadata):
+            meta = self.build_metadata(meta, k_cache.shape[2], q.dtype, k_cache.shape[1])
+        store_rows(k, v, k_cache, v_cache, meta.slots, meta.keep)
         nd = meta.num_decodes
         if nd == meta.num_seqs:  # the common steady state: decodes only
-            return self._decode(q, k_cache, v_cache, plan, scale)
+            return self._decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, plan, scale)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
         attend_chunks(q, k, v, k_cache, v_cache, meta, scale, nd, out)
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
+    def _decode(q: torch.Tensor, k_cache, v_cache, meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         nd = q.shape[0]
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-        length = plan.width * block_size
-        # index_select of whole blocks (rows of block_size * Hkv * D) is ~3x faster than fancy indexing
-        kb = k_cache.view(num_blocks, -1).index_select(0, plan.decode_tables).view(nd, length, num_kv_heads, head_dim)
-        vb = v_cache.view(num_blocks, -1).index_select(0, plan.decode_tables).view(nd, length, num_kv_heads, head_dim)
+        length = meta.width * block_size
+        # index_select of whole blocks (rows of block_size * Hkv * D) is faster than fancy indexing
+        kb = k_cache.view(num_blocks, -1).index_select(0, meta.decode_tables).view(nd, length, num_kv_heads, head_dim)
+        vb = v_cache.view(num_blocks, -1).index_select(0, meta.decode_tables).view(nd, length, num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, Hq, 1, D]
             kb.transpose(1, 2),  # [B, Hkv, L, D]
             vb.transpose(1, 2),
-            attn_mask=plan.decode_mask,
+            attn_mask=meta.decode_mask,
             scale=scale,
             enable_gqa=True,
         )

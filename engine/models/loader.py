@@ -15,13 +15,14 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from engine import cpu_kernels
-from engine.config import ModelConfig, cpu_prepacks
+from engine.config import ARCHITECTURES, ModelConfig
 from engine.errors import ModelLoadError
-from engine.models.llama import Linear, LlamaModel
+from engine.layers.dispatch import KernelTable, kernel_table
+from engine.layers.linear import Linear, select_kernels
+from engine.models.llama import LlamaModel
 from engine.quant import loading as quant_loading
 from engine.quant.loading import QuantSpec
-from engine.quant.modules import weight_bytes_by_format
+from engine.quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
 
@@ -99,28 +100,12 @@ def load_config(path: str) -> ModelConfig:
     return ModelConfig.from_hf(cfg)
 
 
-# bf16 on a CPU keeps two copies of each projection when the second costs at most this share of physical memory:
-# oneDNN's prepacked one for batches, the row-major one for our GEMV, ~2x faster at one or two rows (decode at
-# batch 1) than the prepacked path. SmolLM2-135M: 212 MiB more; a 7B model would need 13 GiB more, so not there.
-PLAIN_COPY_MEMORY_FRACTION = 0.10
-
-
-def plain_copy_fits(model: LlamaModel) -> bool:
-    if not cpu_kernels.load():  # no GEMV to read the copy
-        return False
-    tied = model.lm_head if model.config.tie_word_embeddings else None  # its plain weight is the embedding's
-    extra = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-                if isinstance(m, Linear) and m is not tied)
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return False
-    return extra <= PLAIN_COPY_MEMORY_FRACTION * total
-
-
 def build_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                max_positions: int, seed: int = 0, quant: QuantSpec | None = None) -> LlamaModel:
-    """`quant`: quantize projections (and LM head/embeddings) on load; see engine/quant/loading.py."""
+                max_positions: int, seed: int = 0, quant: QuantSpec | None = None,
+                table: KernelTable | None = None) -> LlamaModel:
+    """Materialize the model on `device` and fix its kernels (`table`: the dispatch table, default this machine's).
+    `quant`: quantize projections (and LM head/embeddings) on load; see engine/quant/loading.py."""
+    table = table or kernel_table(device, dtype)
     kind = model_source(path)
     with torch.device("meta"):  # no throw-away default init: every parameter is written below
         model = LlamaModel(cfg, max_positions).to(dtype)
@@ -133,26 +118,45 @@ def build_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
         model.init_random(seed)
         if quant is not None:
             quant_loading.quantize_model(model, quant)
-    elif quant is not None:
-        weights = _gguf_weights(path, cfg, raw=True) if kind == "gguf" else _safetensors_weights(path)
-        group = quant_loading.resolve_group_size(quant, model, kind == "gguf" and _gguf_has_q4(path))
-        quant_loading.load(model, weights, quant, dtype, device, group)
-    elif kind == "gguf":
-        model.load_weights(_gguf_weights(path, cfg))
     else:
-        model.load_weights(_safetensors_weights(path))
+        weights = checkpoint_tensors(path, cfg, raw=quant is not None)
+        if quant is not None:
+            group = quant_loading.resolve_group_size(quant, model, kind == "gguf" and gguf_has_q4(path))
+            weights = quant_loading.quantized_stream(model, weights, quant, group, dtype, device, table)
+        model.load_weights(weights)
     model.eval().requires_grad_(False)
-    if device.type == "cpu" and cpu_prepacks(dtype):
-        keep_plain = plain_copy_fits(model)
-        model.pack_weights(keep_plain)
-        logger.info("%s projections prepacked for oneDNN%s", str(dtype).removeprefix("torch."),
-                    " (row-major copies kept for the few-row GEMV)" if keep_plain else
-                    f"; no row-major copies (over {PLAIN_COPY_MEMORY_FRACTION:.0%} of memory), "
-                    "so the GEMV serves only the tied LM head")
-    sizes = weight_bytes_by_format(model)
-    logger.info("weights: %s (%.1f MiB in all)", ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items()),
-                sum(sizes.values()) / 2**20)
+    select_kernels(model, table, device, dtype)
+    sizes = weight_bytes(model)
+    logger.info("weights: %s (%.1f MiB in all); projections: %s", ", ".join(
+        f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items()), sum(sizes.values()) / 2**20,
+        model.layers[0].self_attn.qkv_proj.describe_routes())
     return model
+
+
+def checkpoint_tensors(path: str, cfg: ModelConfig, raw: bool = False) -> Iterator[tuple[str, object]]:
+    """A GGUF file's or HF directory's tensors under Hugging Face names; with `raw`, a GGUF's Q8_0/Q4_0/Q4_1
+    matrices come as their blocks (GGUFBlocks), for quantized storage without a dense round trip."""
+    if model_source(path) == "gguf":
+        return _gguf_weights(path, cfg, raw)
+    return _safetensors_weights(path)
+
+
+def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Resident weight bytes per storage format ("bfloat16", "float32", "int8", ...), shared tensors once."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for m in model.modules():
+        qw = getattr(m, "qweight", None)
+        if isinstance(qw, QuantWeight) and id(qw) not in seen:
+            seen.add(id(qw))
+            out[qw.format] = out.get(qw.format, 0) + qw.nbytes
+    for p in list(model.parameters()) + [m.packed for m in model.modules() if isinstance(m, Linear)]:
+        if p is None or id(p) in seen or p.numel() == 0:
+            continue
+        seen.add(id(p))
+        key = str(p.dtype).removeprefix("torch.")
+        out[key] = out.get(key, 0) + p.numel() * p.element_size()
+    return out
 
 
 # ---- GGUF --------------------------------------------------------------------------------------
@@ -174,8 +178,8 @@ def _gguf_field(reader, key: str, default=None):
 
 def _gguf_config(reader) -> ModelConfig:
     arch = _gguf_field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise ModelLoadError(f"unsupported architecture {arch!r} in GGUF file; supported: llama, qwen2, qwen3")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"unsupported architecture {arch!r} in GGUF file; supported: {', '.join(ARCHITECTURES)}")
     g = lambda key, default=None: _gguf_field(reader, f"{arch}.{key}", default)
     num_heads = g("attention.head_count")
     hidden = g("embedding_length")
@@ -217,7 +221,7 @@ def _unpermute_llama(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, head_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_has_q4(path: str) -> bool:
+def gguf_has_q4(path: str) -> bool:
     return any(t.tensor_type.name in ("Q4_0", "Q4_1") for t in _gguf_reader(path).tensors)
 
 

@@ -24,10 +24,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from engine.config import bundled_text_path
 from engine.quant.formats import FORMATS
 
-BOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                    "benchmarks", "data", "pride_and_prejudice.txt")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AGREEMENT_TOKENS = 9  # per battery prompt: 16 x 9 = 144 positions
 
@@ -73,9 +72,7 @@ def weight_errors(model_path: str, fmt: str, group: int) -> tuple[float, float, 
     from engine.quant.loading import GGUFBlocks, QuantSpec, quantize_tensor
 
     cfg = loader.load_config(model_path)
-    kind = loader.model_source(model_path)
-    stream = loader._gguf_weights(model_path, cfg, raw=True) if kind == "gguf" else loader._safetensors_weights(
-        model_path)
+    stream = loader.checkpoint_tensors(model_path, cfg, raw=True)
     spec = QuantSpec(fmt, group)
     errs, bits, count = [], 0.0, 0
     for name, t in stream:
@@ -135,9 +132,9 @@ def evaluate(llm, text_ids: list[int], prompts: list[list[int]], reference_paths
 def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtype: str,
         group_size: int | None, log=print) -> list[Row]:
     from engine.config import bundled_model_path
-    from engine.llm_engine import LLM
+    from engine.llm import LLM
     from engine.quant.loading import QuantSpec, resolve_group_size
-    from engine.quant.modules import weight_bytes_by_format
+    from engine.models.loader import weight_bytes
 
     model_path = model or bundled_model_path()
     with open(text_path, encoding="utf-8") as f:
@@ -154,7 +151,7 @@ def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtyp
             raise SystemExit(f"{text_path} has only {len(text_ids)} tokens; need {tokens}")
         prompts = battery_prompts(tok)
         ppl, score, paths, agree = evaluate(llm, text_ids, prompts, reference_paths)
-        sizes = weight_bytes_by_format(llm.engine.runner.model)
+        sizes = weight_bytes(llm.engine.runner.model)
         if fmt == "none":
             reference_paths = paths
             bits = 8.0 * torch.empty((), dtype=llm.engine.dtype).element_size()
@@ -178,7 +175,7 @@ def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtyp
 def _gguf_has_q4(path: str) -> bool:
     from engine.models import loader
 
-    return loader.model_source(path) == "gguf" and loader._gguf_has_q4(path)
+    return loader.model_source(path) == "gguf" and loader.gguf_has_q4(path)
 
 
 def format_table(rows: list[Row], tokens: int) -> str:
@@ -198,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quantization", default=",".join(FORMATS),
                     help=f"comma-separated formats to compare with the unquantized reference ({', '.join(FORMATS)})")
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
-    ap.add_argument("--text", default=BOOK, help="text for perplexity (default: the shipped Pride and Prejudice)")
+    ap.add_argument("--text", default=bundled_text_path(), help="text for perplexity (default: the shipped Pride and Prejudice)")
     ap.add_argument("--tokens", type=int, default=2048, help="perplexity tokens")
     ap.add_argument("--dtype", default="float32", help="activation/reference dtype (float32 as in the chapter)")
     ap.add_argument("--quant-group-size", type=int, default=None)

@@ -1,9 +1,9 @@
 """Quantize on load: projection weights go straight from the checkpoint stream into quantized storage.
 
-The model is built on the meta device with `QuantLinear`s where projections (and optionally the LM head
-and embeddings) will be, so no full-precision copy of those weights is ever allocated; at most one
-fused module's pieces are dense at a time. GGUF Q4_0/Q4_1 tensors become `int4` (group 32) storage and
-Q8_0 embeddings become int8 (group 32) storage without a dense round trip.
+The model is built on the meta device with the projections (and optionally the LM head and embeddings) marked
+quantized (`prepare_modules`), so no full-precision copy of those weights is ever allocated; `quantized_stream`
+turns each checkpoint tensor into its storage on the way to `LlamaModel.load_weights`. GGUF Q4_0/Q4_1 tensors
+become `int4` (group 32) storage and Q8_0 embeddings int8 (group 32) storage without a dense round trip.
 """
 
 from __future__ import annotations
@@ -14,14 +14,20 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
-from engine.quant.formats import FORMATS, Int4Weight, Int8Weight, QuantWeight, cat, default_group_size, quantize
-from engine.quant.modules import QuantEmbedding, QuantLinear
+from engine.layers.dispatch import KernelTable
+from engine.layers.linear import Linear
+from engine.models.llama import PROJECTIONS
+from engine.quant.formats import FORMATS, default_group_size, quantize
+from engine.quant.int4 import Int4Weight
+from engine.quant.int8 import Int8Weight
+from engine.quant.layouts import pack_nibbles
+from engine.quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
 
 GGUF_DIRECT = ("Q8_0", "Q4_0", "Q4_1")
+TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -87,15 +93,13 @@ class GGUFBlocks:
             if self.kind == "Q4_1":  # d*c + m = (c - 8) d + (m + 8 d)
                 m = raw[:, :, 2:4].contiguous().view(torch.float16).float().view(n, k // 32)
                 zero = m + 8 * d.float()
-            from engine.quant.formats import pack_nibbles
-
             return Int4Weight(pack_nibbles(codes), d, zero, "int4", group=32)
         return None
 
 
 def quantize_tensor(t: torch.Tensor | GGUFBlocks, spec: QuantSpec, group: int, embedding: bool = False) -> QuantWeight:
-    """One checkpoint tensor -> storage: GGUF blocks directly where the layout allows, else quantized
-    (embeddings: int8 rows)."""
+    """One checkpoint tensor -> storage: GGUF blocks directly where the layout allows (`from_blocks` set), else
+    quantized (embeddings: int8 rows)."""
     if isinstance(t, GGUFBlocks):
         qw = t.direct(spec.format, group, embedding)
         if qw is not None:
@@ -103,13 +107,6 @@ def quantize_tensor(t: torch.Tensor | GGUFBlocks, spec: QuantSpec, group: int, e
             return qw
         t = t.dequantize()
     return Int8Weight.quantize(t) if embedding else quantize(t, spec.format, group)
-
-
-def _fused_table(model) -> dict[str, tuple[str, int, int]]:
-    """HF projection name -> (our fused module suffix, piece index, number of pieces)."""
-    return {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3),
-            "gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2),
-            "o_proj": ("o_proj", 0, 1), "down_proj": ("down_proj", 0, 1)}
 
 
 def resolve_group_size(spec: QuantSpec, model, gguf_q4: bool) -> int:
@@ -122,90 +119,64 @@ def resolve_group_size(spec: QuantSpec, model, gguf_q4: bool) -> int:
 
 
 def prepare_modules(model, spec: QuantSpec) -> None:
-    """On the meta model: swap the projections (and LM head) for QuantLinears, before any allocation."""
-    from engine.models.llama import Linear
-
-    targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") + (("lm_head",) if spec.lm_head else ())
-    model.reset_fused()  # the fused decode layer's operands are rebuilt from the new modules
-    for name, module in list(model.named_modules()):
+    """On the meta model: the projections (and LM head, embeddings) will hold quantized storage, so the dense
+    weights are never allocated."""
+    targets = TARGETS + (("lm_head",) if spec.lm_head else ())
+    for name, module in model.named_modules():
         if isinstance(module, Linear) and name.split(".")[-1] in targets:
-            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-            bias = None if module.bias is None else module.bias
-            setattr(parent, name.split(".")[-1], QuantLinear(module.in_features, module.out_features, bias))
+            module.weight = None
     if spec.lm_head:  # embeddings too: an int8 row lookup
-        model.embed_tokens = nn.Module()  # placeholder; filled by `load`
+        model.embed_tokens.weight = None
 
 
-def load(model, weights: Iterable[tuple[str, torch.Tensor | GGUFBlocks]], spec: QuantSpec,
-         dtype: torch.dtype, device: torch.device, group: int) -> None:
-    """Feed the checkpoint stream: projections are quantized per fused module, the rest goes to
-    `model.load_weights` as before."""
-    table = _fused_table(model)
+def quantized_stream(model, weights: Iterable[tuple[str, torch.Tensor | GGUFBlocks]], spec: QuantSpec, group: int,
+                     dtype: torch.dtype, device: torch.device, table: KernelTable) -> Iterator[tuple[str, object]]:
+    """The checkpoint stream for `model.load_weights`, projections as their quantized storage (GGUF blocks mapped
+    directly where the layout allows); embeddings and the LM head are set here."""
     tied = model.config.tie_word_embeddings
-    pending: dict[str, list] = {}
-    stats = {"direct": 0, "quantized": 0}
-
     head_spec = QuantSpec(spec.head_format, spec.group_size)
+    stats = {"direct": 0, "quantized": 0}
 
     def to_quant(t, embedding: bool = False, head: bool = False) -> QuantWeight:
         qw = quantize_tensor(t, head_spec if head else spec, group, embedding)
-        stats["direct" if isinstance(t, GGUFBlocks) and getattr(qw, "from_blocks", False) else "quantized"] += 1
+        stats["direct" if getattr(qw, "from_blocks", False) else "quantized"] += 1
         return qw
 
-    def rest() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in weights:
-            short = name.removeprefix("model.")
-            parts = short.split(".")
-            if spec.lm_head and short == "embed_tokens.weight":
-                emb = to_quant(t, embedding=True)
-                model.embed_tokens = QuantEmbedding(emb, dtype, device)
-                if tied:  # one int8 copy serves both where the formats agree (per row, or Q8_0 where our kernels run)
-                    same = spec.head_format == "int8" and (emb.group == emb.shape[1] or emb.kernels_take(device))
-                    head = emb if same else to_quant(t, head=True)
-                    model.lm_head.set_weight(head, device, dtype)
-                continue
-            if short == "lm_head.weight" and spec.lm_head:
-                if not tied:
-                    model.lm_head.set_weight(to_quant(t, head=True), device, dtype)
-                continue
-            if len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in table:
-                ours, idx, count = table[parts[-2]]
-                key = ".".join(parts[:-2] + [ours])
-                slot = pending.setdefault(key, [None] * count)
-                slot[idx] = to_quant(t)
-                if all(p is not None for p in slot):
-                    model.get_submodule(key).set_weight(cat(slot), device, dtype)
-                    del pending[key]
-                continue
-            yield name, (t.dequantize() if isinstance(t, GGUFBlocks) else t)
-
-    model.load_weights(rest())
-    missing = [n for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.qweight is None]
-    if missing or pending or not isinstance(model.embed_tokens, (nn.Embedding, QuantEmbedding)):
-        raise ValueError(f"checkpoint is missing quantized weights for {(missing or list(pending) or ['embed'])[:8]}")
+    for name, t in weights:
+        short = name.removeprefix("model.")
+        parts = short.split(".")
+        if spec.lm_head and short == "embed_tokens.weight":
+            emb = to_quant(t, embedding=True)
+            model.embed_tokens.quantize_to(emb, dtype)
+            if tied:  # one int8 copy serves both where the formats agree (per row, or Q8_0 where our kernels run)
+                ours = table.cpp and device.type == "cpu" and emb.panels_fit()
+                same = spec.head_format == "int8" and (emb.group == emb.shape[1] or ours)
+                model.lm_head.quantize_to(emb if same else to_quant(t, head=True))
+            continue
+        if short == "lm_head.weight" and spec.lm_head:
+            if not tied:
+                model.lm_head.quantize_to(to_quant(t, head=True))
+            continue
+        if len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in PROJECTIONS:
+            yield name, to_quant(t)
+            continue
+        yield name, (t.dequantize() if isinstance(t, GGUFBlocks) else t)
     logger.info("quantized to %s (group %d): %d tensors mapped directly from GGUF blocks, %d quantized on load",
                 spec.format, group, stats["direct"], stats["quantized"])
 
 
 def quantize_model(model, spec: QuantSpec, group: int | None = None) -> None:
     """Quantize an already-built dense model in place (random weights; tests)."""
-    from engine.models.llama import Linear
-
     group = group or resolve_group_size(spec, model, False)
-    p = next(model.parameters())
-    dtype, device = p.dtype, p.device
-    weights = []
+    dtype = next(model.parameters()).dtype
     for name, m in model.named_modules():
-        if isinstance(m, Linear) and name.split(".")[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            weights.append((name, m.weight.detach().float()))
-    emb = model.embed_tokens.weight.detach().float()
-    head = None if model.config.tie_word_embeddings else model.lm_head.weight.detach().float()
-    prepare_modules(model, spec)
-    for name, w in weights:
-        model.get_submodule(name).set_weight(quantize(w, spec.format, group), device, dtype)
+        if isinstance(m, Linear) and name.split(".")[-1] in TARGETS:
+            m.quantize_to(quantize(m.weight.detach().float(), spec.format, group))
     if spec.lm_head:
+        emb = model.embed_tokens.weight.detach().float()
+        head = None if model.config.tie_word_embeddings else model.lm_head.weight.detach().float()
         e = Int8Weight.quantize(emb)
-        model.embed_tokens = QuantEmbedding(e, dtype, device)
+        model.embed_tokens.quantize_to(e, dtype)
         source = emb if head is None else head
-        qh = e if head is None and spec.head_format == "int8" else quantize(source, spec.head_format, group)
-        model.lm_head.set_weight(qh, device, dtype)
+        model.lm_head.quantize_to(e if head is None and spec.head_format == "int8" else
+                                  quantize(source, spec.head_format, group))

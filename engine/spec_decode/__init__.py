@@ -7,12 +7,13 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.spec_decode.proposer import NgramProposer, Proposer
 from engine.spec_decode.speculator import SpecStats, Speculator
+from engine.step_cost import StepCostModel
 
 __all__ = ["NgramProposer", "Proposer", "Speculator", "SpecStats", "build_speculator"]
 
 
 def build_speculator(config: EngineConfig, target: ModelConfig, num_blocks: int, max_len: int,
-                     device: torch.device) -> Speculator | None:
+                     device: torch.device, cost: StepCostModel | None = None) -> Speculator | None:
     """The configured speculator, or None for `speculative_method="none"`."""
     if config.speculative_method == "none":
         return None
@@ -27,4 +28,4 @@ def build_speculator(config: EngineConfig, target: ModelConfig, num_blocks: int,
         if config.draft_model is None:  # self-draft: the target in another dtype / quantization
             config = dataclasses.replace(config, draft_model=config.model or bundled_model_path())
         proposer = DraftModelProposer(config, target.vocab_size, num_blocks, max_len, device)
-    return Speculator(proposer, config.num_speculative_tokens)
+    return Speculator(proposer, config.num_speculative_tokens, cost)

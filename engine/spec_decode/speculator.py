@@ -15,16 +15,16 @@ back-off that doubles while probes keep failing, so a change of regime (prose �
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from engine.sequence import Sequence
 from engine.spec_decode.proposer import Proposer
+from engine.step_cost import StepCostModel, StepShape
 
 ALPHA_PRIOR = 0.5  # before anything is measured
 PRIOR_WEIGHT = 2.0  # pseudo-trials of the engine-wide rate in a request's estimate
 DECAY = 0.8  # per verification: acceptance drifts within a request (quoting, then free text)
-EXTRA_TOKEN_COST_PRIOR = 0.05  # fraction of a step per extra token until the fit has data
+EXTRA_TOKEN_COST_PRIOR = 0.05  # fraction of a step per extra token until the cost model is fitted
 MAX_BACKOFF = 64
 
 
@@ -48,46 +48,6 @@ def best_gamma(alpha: float, max_gamma: int, draft_cost: float, extra_token_cost
         if s > best_s:
             best, best_s = g, s
     return best
-
-
-class StepCostModel:
-    """Target step time ≈ a + b·tokens, fitted on decode/verify steps; gives the relative cost of one more
-    token in a batch of B tokens, b / (a + b·B)."""
-
-    def __init__(self, window: int = 256) -> None:
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
-        self.a: float | None = None
-        self.b: float | None = None
-        self._since_fit = 0
-
-    def add(self, tokens: int, seconds: float) -> None:
-        self.samples.append((tokens, seconds))
-        self._since_fit += 1
-        if self._since_fit >= 8:
-            self._fit()
-
-    def _fit(self) -> None:
-        self._since_fit = 0
-        n = len(self.samples)
-        xs = [x for x, _ in self.samples]
-        ys = [y for _, y in self.samples]
-        mx, my = sum(xs) / n, sum(ys) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        if sxx <= 0:
-            self.a, self.b = my, None  # one batch size seen: the step time, but no slope yet
-            return
-        b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx)
-        self.a, self.b = max(my - b * mx, 1e-9), b
-
-    def extra_token_cost(self, batch_tokens: int) -> float:
-        if self.a is None or self.b is None:
-            return EXTRA_TOKEN_COST_PRIOR
-        return self.b / (self.a + self.b * batch_tokens)
-
-    def step_seconds(self, batch_tokens: int) -> float | None:
-        if self.a is None:
-            return None
-        return self.a + (self.b or 0.0) * batch_tokens
 
 
 @dataclass(slots=True)
@@ -118,19 +78,20 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, max_gamma: int, adaptive: bool = True) -> None:
+    def __init__(self, proposer: Proposer, max_gamma: int, cost: StepCostModel | None = None,
+                 adaptive: bool = True) -> None:
         if max_gamma < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {max_gamma}")
         self.proposer = proposer
         self.max_gamma = max_gamma
         self.adaptive = adaptive
         self.stats = SpecStats(accepted_per_pos=[0] * max_gamma)
-        self.cost = StepCostModel()
+        self.cost = cost or StepCostModel()  # the engine's, fed every step's time
         self.draft_cost = 0.0  # c: seconds per draft round / seconds per target step (decayed mean)
         self._requests: dict[int, _RequestState] = {}
         self._global_accepted = 0.0
         self._global_trials = 0.0
-        self._last_batch_tokens = 1
+        self._last_batch = (1, 0)  # decode sequences and their context tokens in the last decode-only step
 
     # ---- before scheduling ----------------------------------------------------------------------
     def propose(self, running: list[Sequence]) -> None:
@@ -149,9 +110,9 @@ class Speculator:
         seconds = time.perf_counter() - t0
         for seq, d in zip(seqs, drafts):
             seq.spec_token_ids = list(d)
-        step = self.cost.step_seconds(self._last_batch_tokens)
-        if step:
-            c = seconds / max(gammas) / step
+        step_ms = self.cost.predict(StepShape(0, *self._last_batch))
+        if step_ms:
+            c = seconds * 1e3 / max(gammas) / step_ms
             self.draft_cost = 0.9 * self.draft_cost + 0.1 * c if self.stats.num_drafts else c
 
     def gamma(self, seq: Sequence) -> int:
@@ -170,7 +131,8 @@ class Speculator:
         if st.skip > 0:
             st.skip -= 1
             return 0
-        g = best_gamma(self.alpha(seq), cap, self.draft_cost, self.cost.extra_token_cost(self._last_batch_tokens))
+        extra = self.cost.extra_token_cost(*self._last_batch)
+        g = best_gamma(self.alpha(seq), cap, self.draft_cost, EXTRA_TOKEN_COST_PRIOR if extra is None else extra)
         if g == 0:  # switched off: probe again later, later still while probes keep failing
             st.skip = st.backoff
             st.backoff = min(2 * st.backoff, MAX_BACKOFF)
@@ -186,8 +148,8 @@ class Speculator:
         return min(0.99, (st.accepted + prior * PRIOR_WEIGHT) / (st.trials + PRIOR_WEIGHT))
 
     # ---- after the forward pass -------------------------------------------------------------------
-    def observe(self, seqs: list[Sequence], num_new_tokens: list[int], sampled: list, seconds: float) -> None:
-        """Record acceptance and the step's cost. Call before `Scheduler.update` clears the drafts."""
+    def observe(self, seqs: list[Sequence], num_new_tokens: list[int], sampled: list) -> None:
+        """Record acceptance and the step's batch. Call before `Scheduler.update` clears the drafts."""
         decode_only = True
         for seq, n, tokens in zip(seqs, num_new_tokens, sampled):
             k = len(seq.spec_token_ids)
@@ -209,10 +171,8 @@ class Speculator:
             st.trials = DECAY * st.trials + trials
             self._global_accepted = 0.99 * self._global_accepted + a
             self._global_trials = 0.99 * self._global_trials + trials
-        tokens_in_step = sum(num_new_tokens)
         if decode_only and seqs:
-            self.cost.add(tokens_in_step, seconds)
-            self._last_batch_tokens = len(seqs)
+            self._last_batch = (len(seqs), sum(s.num_computed_tokens + 1 for s in seqs))
 
     def release(self, seq: Sequence) -> None:
         self._requests.pop(seq.seq_id, None)

@@ -1,0 +1,210 @@
+"""Linear: y = x W^T (+ b), W dense or in any quantized format, and every route a projection can take.
+
+`select_kernels` reads the dispatch table (engine/layers/dispatch.py) once, after the weights are loaded: it lays
+the weight out for the kernels it picks and keeps an ordered list of routes, each serving inputs of up to
+`max_rows` rows. `forward` takes the first route that fits x's row count (a decode step's few rows or a prefill
+chunk's many). Before `select_kernels` a Linear runs the plain PyTorch route, so it works unprepared.
+
+The routes, in the order they are tried:
+
+| weight                            | rows                        | kernel                                         |
+|-----------------------------------|-----------------------------|------------------------------------------------|
+| dense, row-major kept, C++ built  | <= dense_gemv_max_rows      | our GEMV (engine/csrc/dense_linear.cpp)        |
+| dense, prepacked (table.prepacks) | any                         | oneDNN `_linear_pointwise` on the packed copy  |
+| dense                             | any                         | F.linear                                       |
+| int8 / int4 in panels (C++ built, | <= quant_gemv_max_rows      | our GEMV (engine/csrc/quant_linear.cpp)        |
+|   N % 16 == 0, group % 32 == 0)   | any                         | our tiled GEMM                                 |
+| int8 rows, a scale per row        | <= torch_int8_max_rows, CPU | torch `_weight_int8pack_mm` (bf16 if probed)   |
+|                                   | any                         | a GEMM on the codes, scaled                    |
+| int4 in torch's layout (CPU)      | any                         | torch `_weight_int4pack_mm_for_cpu`            |
+| anything else (nf4, CUDA, ...)    | any                         | dequantize, then a GEMM                        |
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.dispatch import KernelTable
+from engine.quant.int4 import Int4Weight
+from engine.quant.int8 import Int8Weight
+from engine.quant.nf4 import NF4Weight
+from engine.quant.weight import QuantWeight
+
+logger = logging.getLogger(__name__)
+
+ANY = 1 << 62
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    max_rows: int
+    kernel: str  # what it runs, for the log and the tests
+    run: Callable[[torch.Tensor], torch.Tensor]
+
+
+class Linear(nn.Module):
+    """x [rows, in_features] -> [rows, out_features]. Holds `weight` (dense) or `qweight` (quantized), not both."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.qweight: QuantWeight | None = None
+        self.packed: torch.Tensor | None = None  # oneDNN's prepacked copy of the dense weight
+        self.routes: tuple[Route, ...] = ()
+        self._fused: tuple[list[torch.Tensor], int] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        for route in self.routes:
+            if rows <= route.max_rows:
+                return route.run(x)
+        if self.qweight is not None:
+            y = self.qweight.dequantized_gemm(x)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+    def quantize_to(self, qweight: QuantWeight) -> None:
+        """Hold `qweight` instead of a dense weight (before the model is materialized: no dense copy is made)."""
+        if qweight.shape != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight {qweight.shape} for a {self.out_features}x{self.in_features} linear")
+        self.weight = None
+        self.qweight = qweight
+
+    def select_kernels(self, table: KernelTable, device: torch.device, dtype: torch.dtype, *, prepack: bool = False,
+                       keep_plain: bool = True) -> None:
+        """Lay the weight out and fix the routes. `prepack`: make oneDNN's packed copy of a dense weight;
+        `keep_plain`: keep the row-major one too (for our GEMV), else drop it."""
+        cpu = device.type == "cpu"
+        if self.qweight is not None:
+            self.routes = tuple(_quant_routes(self.qweight, self.bias, table, device, dtype))
+            ops = self.qweight.panel_operands() if table.cpp and cpu else None
+            self._fused = None if ops is None else (ops + ([self.bias] if self.bias is not None else []),
+                                                    table.quant_gemv_max_rows)
+            return
+        if prepack and self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+            if not keep_plain:  # without the row-major copy every row count takes the packed route
+                self.weight.data = self.weight.data.new_empty(0)
+        w, b, packed = self.weight, self.bias, self.packed
+        routes = []
+        plain = w is not None and w.numel() > 0
+        if table.cpp and cpu and plain:
+            routes.append(Route(table.dense_gemv_max_rows, "dense GEMV (ours)",
+                                lambda x: torch.ops.pagedserve.dense_linear(x, w, b)))
+        if packed is not None:
+            routes.append(Route(ANY, "oneDNN, prepacked",
+                                lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")))
+        else:
+            routes.append(Route(ANY, "F.linear", lambda x: F.linear(x, w, b)))
+        self.routes = tuple(routes)
+        self._fused = ([w] + ([b] if b is not None else []), table.fused_decode_max_rows) if \
+            table.cpp and cpu and plain else None
+
+    def fused_operands(self) -> tuple[list[torch.Tensor], int] | None:
+        """This projection's operands for the fused decode layer (engine/csrc/decode_layer.cpp) and the most rows
+        it serves there; None where that layer has no kernel for it."""
+        return self._fused
+
+    def describe_routes(self) -> str:
+        out, low = [], 1
+        for r in self.routes:
+            out.append(f"rows {low}+: {r.kernel}" if r.max_rows >= ANY else f"rows {low}-{r.max_rows}: {r.kernel}")
+            low = r.max_rows + 1
+        return "; ".join(out) or "not prepared: PyTorch"
+
+    def extra_repr(self) -> str:
+        fmt = self.qweight.format if self.qweight is not None else "dense"
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, format={fmt}"
+
+
+def lay_out_int8(w: Int8Weight, table: KernelTable, device: torch.device) -> None:
+    """Panels where our kernels serve the matrix (a shared embedding/LM head storage is laid out once)."""
+    w.lay_out(device, panels=table.cpp and device.type == "cpu" and w.panels_fit())
+
+
+def _quant_routes(w: QuantWeight, bias: torch.Tensor | None, table: KernelTable, device: torch.device,
+                  dtype: torch.dtype) -> list[Route]:
+    cpu = device.type == "cpu"
+    torch_dtype = torch.bfloat16 if table.torch_int_bf16 else dtype
+    if isinstance(w, Int8Weight):
+        lay_out_int8(w, table, device)
+        if w.layout == "panels":
+            routes = [Route(table.quant_gemv_max_rows, "int8 GEMV (ours)", w.gemv),
+                      Route(ANY, "int8 tiled GEMM (ours)", w.gemm)]
+        elif w.row_scale is None:  # group-wise scales: no kernel of torch's takes them
+            routes = [Route(ANY, "dequantize + GEMM", w.dequantized_gemm)]
+        else:
+            routes = [Route(ANY, "GEMM on the int8 codes", w.codes_gemm)]
+            if cpu:
+                routes.insert(0, Route(table.torch_int8_max_rows, "torch _weight_int8pack_mm",
+                                       lambda x: w.torch_gemv(x, torch.bfloat16 if x.dtype == torch.bfloat16
+                                                              else torch_dtype)))
+    elif isinstance(w, Int4Weight):
+        if cpu and table.cpp and w.panels_fit():
+            w.lay_out(device, "panels")
+        elif cpu and w.torch_kernel_group():
+            w.lay_out(device, "torch", torch.bfloat16 if dtype == torch.bfloat16 else torch_dtype)
+        else:
+            w.lay_out(device, "codes")
+        routes = {"panels": [Route(table.quant_gemv_max_rows, "int4 GEMV (ours)", w.gemv),
+                             Route(ANY, "int4 tiled GEMM (ours)", w.gemm)],
+                  "torch": [Route(ANY, "torch _weight_int4pack_mm_for_cpu", w.torch_matmul)]}.get(
+            w.layout, [Route(ANY, "dequantize + GEMM", w.dequantized_gemm)])
+    else:
+        assert isinstance(w, NF4Weight), type(w)
+        w.lay_out(device)
+        routes = [Route(ANY, "dequantize + GEMM", w.dequantized_gemm)]
+    if bias is None:
+        return routes
+    return [Route(r.max_rows, r.kernel, lambda x, run=r.run: run(x) + bias) for r in routes]
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    """ids of parameters held by more than one module (a tied LM head's weight is the embedding's)."""
+    seen: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return {k for k, n in seen.items() if n > 1}
+
+
+def plain_copy_fits(model: nn.Module, table: KernelTable) -> bool:
+    """Whether keeping each projection's row-major weight beside its prepacked copy (for our GEMV at a few rows)
+    costs at most `plain_copy_max_fraction` of physical memory (a tied LM head's is the embedding's anyway)."""
+    if not table.cpp:  # no GEMV to read the copy
+        return False
+    shared = _shared_weights(model)
+    extra = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+                if isinstance(m, Linear) and m.weight is not None and id(m.weight) not in shared)
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return False
+    return extra <= table.plain_copy_max_fraction * total
+
+
+def select_kernels(model: nn.Module, table: KernelTable, device: torch.device, dtype: torch.dtype) -> None:
+    """Fix every layer's kernels for this table (after the weights are loaded, before the first step)."""
+    prepack = device.type == "cpu" and table.prepacks(dtype)
+    keep_plain = prepack and plain_copy_fits(model, table)
+    shared = _shared_weights(model)
+    for m in model.modules():
+        if isinstance(m, Linear):
+            tied = m.weight is not None and id(m.weight) in shared
+            m.select_kernels(table, device, dtype, prepack=prepack, keep_plain=keep_plain or tied)
+        elif m is not model and hasattr(m, "select_kernels"):
+            m.select_kernels(table, device)
+    if prepack:
+        logger.info("%s projections prepacked for oneDNN%s", str(dtype).removeprefix("torch."),
+                    " (row-major copies kept for the few-row GEMV)" if keep_plain else
+                    f"; no row-major copies (over {table.plain_copy_max_fraction:.0%} of memory), so the GEMV "
+                    "serves only a tied LM head")

@@ -1,0 +1,61 @@
+"""How quantized codes sit in memory: 4-bit codes two to a byte, and the 16-row panels our C++ kernels read.
+
+Panels exist so that one 64-byte load feeds 16 output rows at once (engine/csrc/quant_linear.cpp).
+"""
+
+from __future__ import annotations
+
+import torch
+
+PANEL = 16  # rows per panel of our kernels' layout
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] ints in 0..15 -> [N, K/2] uint8, element 2j in the low nibble, 2j+1 in the high one."""
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_nibbles`: [N, K/2] uint8 -> [N, K] uint8."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).view(packed.shape[0], -1)
+
+
+def to_panels(codes: torch.Tensor) -> torch.Tensor:
+    """`pack_nibbles` codes [N, K/2] -> our int4 kernels' layout [N/16, 8K]: per panel of 16 rows and per 8 codes
+    of K, 64 bytes, row r's 4 at 4r, byte i holding code 8q + i (low nibble) and 8q + 4 + i (high)."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    c = unpack_nibbles(codes).view(n // PANEL, PANEL, k // 8, 2, 4)  # [panel, row, q, half, i]
+    return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).transpose(1, 2).reshape(n // PANEL, 8 * k)
+
+
+def from_panels(panels: torch.Tensor) -> torch.Tensor:
+    """Inverse of `to_panels`."""
+    p, k = panels.shape[0], panels.shape[1] // 8
+    b = panels.view(p, k // 8, PANEL, 4).transpose(1, 2)  # [panel, row, q, i]
+    c = torch.stack((b & 15, b >> 4), dim=3).reshape(p * PANEL, k)
+    return pack_nibbles(c)
+
+
+def int8_to_panels(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] -> our int8 kernels' layout [N/16, 16K]: per panel of 16 rows and per 4 codes of K,
+    64 bytes, row r's 4 at 4r (the int4 layout's 64-byte steps, holding 4 codes of a row instead of 8)."""
+    n, k = q.shape
+    return q.view(n // PANEL, PANEL, k // 4, 4).transpose(1, 2).reshape(n // PANEL, PANEL * k)
+
+
+def int8_from_panels(panels: torch.Tensor) -> torch.Tensor:
+    """Inverse of `int8_to_panels`."""
+    p, k = panels.shape[0], panels.shape[1] // PANEL
+    return panels.view(p, k // 4, PANEL, 4).transpose(1, 2).reshape(p * PANEL, k)
+
+
+def rows_to_panels(t: torch.Tensor) -> torch.Tensor:
+    """Per-row values [N, G] (scales, biases) -> [N/16, G, 16], beside the panels they scale."""
+    n = t.shape[0]
+    return t.reshape(n // PANEL, PANEL, -1).transpose(1, 2).contiguous()
+
+
+def rows_from_panels(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `rows_to_panels`."""
+    return t.transpose(1, 2).reshape(n, -1)
