@@ -52,7 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from engine.async_engine import AdmissionLimits
     from engine.llm_engine import LLMEngine
-    from server.app import ServerConfig, create_app
+    from server.app import create_app
+    from server.config import ServerConfig
 
     config = _engine_config(args)
     server = ServerConfig(**options(args, ServerConfig), limits=AdmissionLimits(**options(args, AdmissionLimits)))
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="command", required=True)
 
     from engine.async_engine import AdmissionLimits
-    from server.app import ServerConfig
+    from server.config import ServerConfig
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _engine_args(p)

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.llm_engine import RequestOutput
+from engine.llm_engine import EngineStats
+from engine.output_processor import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
@@ -17,7 +18,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 class _EngineCollector:
     """Gauges and counters read from the engine at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, float] | None], model_name: str) -> None:
+    def __init__(self, snapshot: Callable[[], EngineStats | None], model_name: str) -> None:
         self.snapshot = snapshot
         self.model_name = model_name
 
@@ -26,23 +27,23 @@ class _EngineCollector:
         if snap is None:
             return
         labels = ["model_name"]
-        for name, doc, key in (
-            ("vllm:num_requests_running", "Requests in the running batch.", "running"),
-            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", "waiting"),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1 (1 = every block in use).", "kv_usage"),
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests in the running batch.", snap.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", snap.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1 (1 = every block in use).", snap.kv_cache_usage),
         ):
             g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric([self.model_name], snap[key])
+            g.add_metric([self.model_name], value)
             yield g
-        for name, doc, key in (
-            ("vllm:num_preemptions", "Preemptions (blocks ran out; the request is recomputed).", "preemptions"),
-            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
-            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_hits"),
+        for name, doc, value in (
+            ("vllm:num_preemptions", "Preemptions (blocks ran out; the request is recomputed).", snap.num_preemptions),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", snap.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", snap.prefix_cache_hits),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric([self.model_name], snap[key])
+            c.add_metric([self.model_name], value)
             yield c
-        spec = snap.get("spec")
+        spec = snap.spec_decode
         if spec is not None:  # only when speculative decoding is on, as in vLLM
             yield from _spec_metrics(spec, self.model_name)
 
@@ -65,7 +66,7 @@ def _spec_metrics(spec, model_name: str):
 
 
 class Metrics:
-    def __init__(self, model_name: str, snapshot: Callable[[], dict[str, float] | None]) -> None:
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineStats | None]) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, m = self.registry, ["model_name"]

@@ -1,12 +1,12 @@
-"""OpenAI request/response shapes (the subset pagedserve serves), as pydantic models."""
+"""OpenAI request and response shapes (the subset pagedserve serves), as pydantic models."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
@@ -190,22 +190,180 @@ ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
 
 
+# ---- responses ------------------------------------------------------------------------------------------------
+class _Response(BaseModel):
+    """Fields named in `_omit_if_none` are left out when None, as OpenAI leaves them out; every other field is
+    always present (`finish_reason: null` in a chunk, `logprobs: null`)."""
+
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler):
+        data = handler(self)
+        for key in self._omit_if_none:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class CompletionTokensDetails(_Response):
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int
+
+
+class Usage(_Response):
+    _omit_if_none = frozenset({"completion_tokens_details", "prompt_tokens_details"})
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # speculative decoding's drafts
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, drafted: int = 0, accepted: int = 0) -> Usage:
+        details = CompletionTokensDetails(accepted_prediction_tokens=accepted,
+                                          rejected_prediction_tokens=drafted - accepted) if drafted else None
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens, completion_tokens_details=details)
+
+
+class ToolCallFunction(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class AssistantMessage(_Response):
+    _omit_if_none = frozenset({"tool_calls"})
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[TokenLogprobEntry]
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Response):
+    """A streamed piece: the first has the role, content pieces follow, tool calls stream as they are written."""
+
+    _omit_if_none = frozenset({"role", "content", "tool_calls"})
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    _omit_if_none = frozenset({"usage"})
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(_Response):
+    """OpenAI's legacy shape; an echoed first prompt token has null logprob and null top_logprobs."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(_Response):
+    _omit_if_none = frozenset({"usage"})
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagedserve"
+    root: str
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, whatever its status: OpenAI's shape."""
+
+    error: ErrorDetail
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now() -> int:
     return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int, draft_tokens: int = 0, accepted_tokens: int = 0) -> dict:
-    """OpenAI's usage; with speculative decoding, the drafts in its predicted-output fields."""
-    out: dict = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens}
-    if draft_tokens:
-        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted_tokens,
-                                            "rejected_prediction_tokens": draft_tokens - accepted_tokens}
-    return out
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

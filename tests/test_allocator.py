@@ -1,4 +1,4 @@
-"""engine.allocator: nothing on import; huge pages for big CPU tensors and freed blocks kept, when an engine is built."""
+"""engine.allocator: nothing on import; huge pages and freed blocks kept once an engine is built."""
 
 import os
 import platform

@@ -13,8 +13,7 @@ from engine.machine import cpu
 from engine.quant.formats import FORMATS, cat, default_group_size, quantize, relative_error
 from engine.quant.int4 import Int4Weight
 from engine.quant.int8 import Int8Weight
-from engine.quant.layouts import from_panels, int8_from_panels, int8_to_panels, pack_nibbles, to_panels, \
-    unpack_nibbles
+from engine.quant.layouts import from_panels, int8_from_panels, int8_to_panels, pack_nibbles, to_panels, unpack_nibbles
 from engine.quant.nf4 import NF4_LEVELS, NF4Weight
 
 ACT_DTYPES = [torch.float32] + ([torch.bfloat16] if cpu().native_bf16 else [])

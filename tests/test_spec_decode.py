@@ -10,8 +10,8 @@ from engine.sampler import SampleRequest
 from engine.sequence import Sequence
 from engine.spec_decode.proposer import NgramProposer
 from engine.spec_decode.speculator import best_gamma, expected_tokens, speedup
-from engine.step_cost import StepCostModel, StepShape
 from engine.spec_decode.verifier import verify
+from engine.step_cost import StepCostModel, StepShape
 
 
 def chi2_critical(df: int, z: float = 3.09) -> float:

@@ -1,35 +1,10 @@
 """The dispatch table: every kernel choice the layers make, stated once, with the measurement behind it.
 
-A layer reads this table once, when the model is built (`select_kernels`), and keeps the routes it chose, so the
+Layers read the table once, when the model is built (`select_kernels`), and keep the routes they chose, so the
 same machine, flags and options always compute the same way. Three entries depend on timings that differ between
-CPUs of the same flags; they are measured by start-up probes once per machine, cached with their inputs (CPU
-model, flags, torch version) in the cache directory, logged, and can be pinned (`--kernel-policy`, or
-PAGEDSERVE_KERNEL_POLICY for the test suite):
-
-| entry                         | default          | decides                                              | set by |
-|-------------------------------|------------------|------------------------------------------------------|--------|
-| `cpp`                         | build succeeded  | C++ kernels (engine/csrc) at all, else PyTorch ops   | engine/cpu_kernels.py |
-| `auto_bf16`                   | probe            | `--dtype auto` on a CPU: bf16 only with native bf16  | probe `bf16_speedup`, benchmarks/kernels/bench_dense_linear.py |
-|                               |                  | flags and a measured >= 1.15x GEMM win               |        |
-| `dense_gemv_max_rows`         | 2                | dense projection: our GEMV (row-major weight)        | benchmarks/kernels/bench_dense_linear.py |
-| `prepack_bf16`                | native bf16      | dense bf16 above that: oneDNN on a prepacked weight  | benchmarks/kernels/bench_dense_linear.py |
-| `prepack_fp32`                | probe            | dense fp32 above that: prepacked oneDNN vs F.linear  | probe `prepack_fp32` |
-| `plain_copy_max_fraction`     | 0.10             | keep a row-major copy beside a prepacked weight      | memory: 2x the projection bytes |
-| `fused_decode_max_rows`       | 8                | decode steps of up to this many rows run each layer  | benchmarks/kernels/bench_fused_decode.py |
-|                               |                  | as one C++ call (dense projections; quantized ones   |        |
-|                               |                  | up to `quant_gemv_max_rows`)                         |        |
-| `quant_gemv_max_rows`         | 64               | int8/int4 panels: our GEMV; above: tiled GEMM        | benchmarks/kernels/bench_quant_linear.py |
-| `torch_int8_max_rows`         | 8                | without our kernels: torch's `_weight_int8pack_mm`   | benchmarks/kernels/bench_quant_linear.py |
-|                               |                  | above: a GEMM on the int8 codes                      |        |
-| `torch_int_bf16`              | probe            | without our kernels, fp32 models: run torch's packed | probe `torch_int_bf16` |
-|                               |                  | int8/int4 kernels in bf16 (their fp32 paths measured |        |
-|                               |                  | many times slower on AVX-512)                        |        |
-| `attention_kernel_max_query`  | 16               | CPU attention: chunks of up to this many query       | benchmarks/kernels/bench_cpu_attention.py |
-|                               |                  | tokens in our paged kernel, longer ones in SDPA      |        |
-| `attention_kernel_bf16_all`   | bf16 without AMX | ... except bf16 with AVX512-BF16 but no AMX: every   | benchmarks/kernels/bench_cpu_attention.py |
-|                               |                  | chunk in our kernel (its vdpbf16ps path beat SDPA)   |        |
-
-Measured figures for each entry are on docs/performance.md.
+CPUs with the same flags: start-up probes measure them once per machine, cache them with their inputs (CPU model,
+flags, torch version) in the cache directory and log them; `--kernel-policy NAME=VALUE,...` (or
+PAGEDSERVE_KERNEL_POLICY, which the test suite sets) pins any entry. docs/performance.md has the figures.
 """
 
 from __future__ import annotations
@@ -59,17 +34,33 @@ PROBE_VERSION = 1  # bump when a probe's shapes or rule change: cached results a
 
 @dataclass(frozen=True)
 class KernelTable:
+    """Each entry: what it decides, and what set it (a benchmark under benchmarks/kernels/, a probe, a flag)."""
+
+    # our C++ kernels (engine/csrc) at all, else PyTorch's ops everywhere: whether they built (cpu_kernels.py)
     cpp: bool = False
+    # `--dtype auto` on a CPU is bf16: native bf16 in the flags and a >= 1.15x GEMM win (probe_bf16_speedup)
     auto_bf16: bool = False
+    # dense projections of up to this many rows: our GEMV on the row-major weight (bench_dense_linear.py)
     dense_gemv_max_rows: int = 2
+    # dense bf16 above that: oneDNN on a prepacked weight, where bf16 is native (bench_dense_linear.py)
     prepack_bf16: bool = False
+    # dense fp32 above that: oneDNN prepacked rather than F.linear's BLAS (probe_prepack_fp32)
     prepack_fp32: bool = False
+    # keep the row-major weight beside the prepacked one while it costs at most this share of memory
     plain_copy_max_fraction: float = 0.10
+    # decode steps of up to this many rows run each layer as one C++ call, dense projections
+    # (bench_fused_decode.py); quantized ones up to quant_gemv_max_rows
     fused_decode_max_rows: int = 8
+    # int8/int4 in our panels: our GEMV up to this many rows, our tiled GEMM above (bench_quant_linear.py)
     quant_gemv_max_rows: int = 64
+    # without our kernels: torch's `_weight_int8pack_mm` up to this many rows, a GEMM on the codes above
     torch_int8_max_rows: int = 8
+    # without our kernels, fp32 models: torch's packed int kernels run in bf16 (probe_torch_int_bf16)
     torch_int_bf16: bool = False
+    # CPU attention: chunks of up to this many query tokens in our paged kernel, longer ones in SDPA
+    # (bench_cpu_attention.py) ...
     attention_kernel_max_query: int = 16
+    # ... but every chunk in our kernel for bf16 with AVX512-BF16 and no AMX (its vdpbf16ps path beat SDPA)
     attention_kernel_bf16_all: bool = False
 
     def attention_query_limit(self, dtype: torch.dtype) -> int:

@@ -2,22 +2,11 @@
 
 `select_kernels` reads the dispatch table (engine/layers/dispatch.py) once, after the weights are loaded: it lays
 the weight out for the kernels it picks and keeps an ordered list of routes, each serving inputs of up to
-`max_rows` rows. `forward` takes the first route that fits x's row count (a decode step's few rows or a prefill
-chunk's many). Before `select_kernels` a Linear runs the plain PyTorch route, so it works unprepared.
-
-The routes, in the order they are tried:
-
-| weight                            | rows                        | kernel                                         |
-|-----------------------------------|-----------------------------|------------------------------------------------|
-| dense, row-major kept, C++ built  | <= dense_gemv_max_rows      | our GEMV (engine/csrc/dense_linear.cpp)        |
-| dense, prepacked (table.prepacks) | any                         | oneDNN `_linear_pointwise` on the packed copy  |
-| dense                             | any                         | F.linear                                       |
-| int8 / int4 in panels (C++ built, | <= quant_gemv_max_rows      | our GEMV (engine/csrc/quant_linear.cpp)        |
-|   N % 16 == 0, group % 32 == 0)   | any                         | our tiled GEMM                                 |
-| int8 rows, a scale per row        | <= torch_int8_max_rows, CPU | torch `_weight_int8pack_mm` (bf16 if probed)   |
-|                                   | any                         | a GEMM on the codes, scaled                    |
-| int4 in torch's layout (CPU)      | any                         | torch `_weight_int4pack_mm_for_cpu`            |
-| anything else (nf4, CUDA, ...)    | any                         | dequantize, then a GEMM                        |
+`max_rows` rows; `forward` takes the first that fits (a decode step's few rows, a prefill chunk's many), and
+`describe_routes` says which. Before `select_kernels` a Linear runs plain PyTorch, so it works unprepared.
+The routes: dense (our GEMV; oneDNN prepacked or F.linear), int8/int4 in our panels (our GEMV; our tiled GEMM),
+int8 rows without our kernels (torch's `_weight_int8pack_mm`; a GEMM on the codes), int4 in torch's layout (its
+`_weight_int4pack_mm_for_cpu`), anything else (nf4, CUDA): dequantize, then a GEMM.
 """
 
 from __future__ import annotations

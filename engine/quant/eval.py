@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -133,8 +132,8 @@ def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtyp
         group_size: int | None, log=print) -> list[Row]:
     from engine.config import bundled_model_path
     from engine.llm import LLM
-    from engine.quant.loading import QuantSpec, resolve_group_size
     from engine.models.loader import weight_bytes
+    from engine.quant.loading import QuantSpec, resolve_group_size
 
     model_path = model or bundled_model_path()
     with open(text_path, encoding="utf-8") as f:
@@ -195,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quantization", default=",".join(FORMATS),
                     help=f"comma-separated formats to compare with the unquantized reference ({', '.join(FORMATS)})")
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
-    ap.add_argument("--text", default=bundled_text_path(), help="text for perplexity (default: the shipped Pride and Prejudice)")
+    ap.add_argument("--text", default=bundled_text_path(), help="text for perplexity (default: the shipped book)")
     ap.add_argument("--tokens", type=int, default=2048, help="perplexity tokens")
     ap.add_argument("--dtype", default="float32", help="activation/reference dtype (float32 as in the chapter)")
     ap.add_argument("--quant-group-size", type=int, default=None)

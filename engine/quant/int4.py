@@ -11,8 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from engine.quant.layouts import PANEL, from_panels, pack_nibbles, rows_from_panels, rows_to_panels, to_panels, \
-    unpack_nibbles
+from engine.quant.layouts import (
+    PANEL,
+    from_panels,
+    pack_nibbles,
+    rows_from_panels,
+    rows_to_panels,
+    to_panels,
+    unpack_nibbles,
+)
 from engine.quant.weight import QuantWeight, grouped
 
 TORCH_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes `_weight_int4pack_mm_for_cpu` takes

@@ -1,0 +1,520 @@
+"""The request pipeline every generation route shares: admit -> build -> submit -> collect or stream -> usage.
+
+`Serving.generate` runs it for an `Endpoint`: `ChatEndpoint` (/v1/chat/completions) or `CompletionEndpoint`
+(/v1/completions). An endpoint says only what differs: how a body becomes prompt token ids and sampling params
+(`build`, run off the event loop, since templating and tokenizing cost O(prompt)), and how outputs become its
+response or its stream chunks. Admission (the 429) is decided before anything is tokenized or streamed; every
+reservation is either handed to the engine or given back, and a client that leaves aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from engine.async_engine import AsyncEngine, EngineDeadError, OverloadedError, RequestStream
+from engine.errors import InvalidRequestError
+from engine.output_processor import RequestOutput
+from engine.sampler import TokenLogprob
+from engine.sampling_params import SamplingParams
+from server.guards import TENANT_KEY
+from server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    TokenLogprobEntry,
+    TopLogprob,
+    Usage,
+    error_body,
+    new_id,
+    now,
+)
+from server.structured import logit_bias, structured_spec
+from server.tools import ToolCallParser, parse_tool_calls, render_messages, resolve_tool_choice, tool_grammar
+
+logger = logging.getLogger(__name__)
+ENGINE_DEAD = "the engine loop died (see the server log)"  # no exception text reaches a client
+
+
+class APIError(Exception):
+    """An error response in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def overloaded(e: OverloadedError) -> APIError:
+    seconds = max(1, min(60, math.ceil(e.retry_after)))
+    return APIError(429, f"{e} Retry after {seconds} s.", "rate_limit_error", code="server_overloaded",
+                    headers={"Retry-After": str(seconds), "retry-after-ms": str(int(seconds * 1000))})
+
+
+def engine_dead() -> APIError:
+    return APIError(503, ENGINE_DEAD, "service_unavailable", code="engine_dead")
+
+
+@dataclass
+class Built:
+    """A request turned into engine jobs: one (prompt ids, params) per choice, prompts x n."""
+
+    jobs: list[tuple[list[int], SamplingParams]]
+    prompt_tokens: int
+    prompt_groups: int = 1  # distinct prompts (n choices each)
+    echo: list[str] = field(default_factory=list)  # completions: the echoed prompt text per choice
+    tools_on: bool = False  # chat: parse <tool_call> output
+
+
+@dataclass
+class Collected:
+    """One choice's whole output, for a non-streamed response."""
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    drafts: tuple[int, int] = (0, 0)  # speculative decoding: (drafted, accepted)
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text
+        self.tokens += out.new_token_ids
+        self.logprobs += out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.num_cached_tokens = out.num_cached_tokens
+        self.drafts = (out.num_draft_tokens, out.num_accepted_tokens)
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+def usage(built: Built, outs: list[Collected]) -> Usage:
+    u = Usage.of(built.prompt_tokens, sum(len(o.tokens) for o in outs), sum(o.drafts[0] for o in outs),
+                 sum(o.drafts[1] for o in outs))
+    per_prompt = len(outs) // max(built.prompt_groups, 1)  # the first choice of each prompt: what its prompt hit
+    u.prompt_tokens_details = PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outs[::per_prompt]))
+    return u
+
+
+class Endpoint(ABC):
+    """What one route does differently; the pipeline in `Serving.generate` does the rest."""
+
+    param: str  # the body field a prompt that is too long is blamed on
+
+    id_prefix = "req"
+
+    def __init__(self, body, model_name: str) -> None:
+        self.body, self.model_name = body, model_name
+        self.tokenizer = None  # the engine's, once admitted
+        self.id, self.created = new_id(self.id_prefix), now()
+
+    def count(self) -> int:
+        """Engine requests this body becomes (prompts x n)."""
+        return self.body.n
+
+    @abstractmethod
+    def build(self, engine, salt: str | None) -> Built:
+        """Prompt ids and sampling params per choice (in a worker thread). Raises InvalidRequestError."""
+
+    @abstractmethod
+    def response(self, built: Built, outs: list[Collected]):
+        """The non-streamed response."""
+
+    @abstractmethod
+    def stream(self, built: Built, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[Any]:
+        """The streamed chunks (pydantic models), usage excepted."""
+
+    @abstractmethod
+    def usage_chunk(self, usage: Usage):
+        """The last chunk, `choices: []` and the usage (stream_options.include_usage)."""
+
+    def params(self, max_tokens: int | None, logprobs: int | None, index: int, salt: str | None, spec=None,
+               prompt_logprobs: int | None = None) -> SamplingParams:
+        b = self.body
+        seed = None
+        if b.seed is not None:  # n choices differ but stay reproducible; wrap to stay a valid 64-bit seed
+            seed = b.seed + index
+            seed = seed - 2**64 if seed >= 2**64 else seed
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if b.temperature is None else b.temperature,
+            top_p=1.0 if b.top_p is None else b.top_p, top_k=b.top_k or 0, seed=seed, stop=b.stop or [],
+            stop_token_ids=b.stop_token_ids or [], ignore_eos=b.ignore_eos, presence_penalty=b.presence_penalty,
+            frequency_penalty=b.frequency_penalty, logprobs=logprobs, cache_salt=salt,
+            prompt_logprobs=prompt_logprobs, structured=spec, logit_bias=logit_bias(b),
+            allowed_token_ids=b.allowed_token_ids)
+
+    def piece(self, token_id: int) -> str:
+        return self.text([token_id])
+
+    def text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else " ".join(map(str, token_ids))
+
+
+class Serving:
+    """The pipeline, over an AsyncEngine that `engine()` returns when ready (raising APIError otherwise)."""
+
+    def __init__(self, engine: Callable[[], AsyncEngine], model_name: str, prefix_cache_per_key: bool,
+                 disconnect_poll_s: float, on_reject: Callable[[str], None]) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.prefix_cache_per_key = prefix_cache_per_key
+        self.disconnect_poll_s = disconnect_poll_s
+        self.on_reject = on_reject
+
+    async def generate(self, endpoint_cls: type[Endpoint], body, raw: Request):
+        """The response model, or an async iterator of chunks (JSON strings, then "[DONE]") to stream."""
+        endpoint = endpoint_cls(body, self.model_name)
+        aeng = self.admit(body, endpoint.count())
+        endpoint.tokenizer = aeng.engine.tokenizer
+        salt = self.cache_salt(body, raw)
+        built = await self.build(aeng, endpoint, salt)
+        streams = self.submit(aeng, built, endpoint.param)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return self.stream(endpoint, built, streams, include_usage)
+        outs = await self.collect(streams, raw)
+        return endpoint.response(built, outs)
+
+    # ---- admit ------------------------------------------------------------------------------------------
+    def admit(self, body, count: int) -> AsyncEngine:
+        """Model check, then the queue limit: both before any tokenizing or streaming."""
+        aeng = self.engine()
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist.", "invalid_request_error", "model",
+                           "model_not_found")
+        limit = aeng.limits.max_waiting_requests
+        if limit is not None and count > limit:  # could never be admitted: not a 429 to retry for ever
+            raise APIError(400, f"this request needs {count} sequences (prompts x n) but at most {limit} may "
+                           "wait at once (--max-waiting-requests)", param="n")
+        reserved = 0
+        try:
+            for _ in range(count):
+                aeng.reserve()
+                reserved += 1
+        except OverloadedError as e:
+            for _ in range(reserved):
+                aeng.release()
+            raise overloaded(e) from e
+        except EngineDeadError as e:
+            raise engine_dead() from e
+        return aeng
+
+    def cache_salt(self, body, raw: Request) -> str | None:
+        """The request's prefix-cache namespace: its API key's (when namespacing per key) and its own cache_salt."""
+        tenant = raw.scope.get("state", {}).get(TENANT_KEY) if self.prefix_cache_per_key else None
+        if tenant is None:
+            return body.cache_salt
+        return f"key:{tenant}\x00{body.cache_salt or ''}"
+
+    # ---- build ------------------------------------------------------------------------------------------
+    async def build(self, aeng: AsyncEngine, endpoint: Endpoint, salt: str | None) -> Built:
+        """`endpoint.build` off the event loop; if it fails, the admission reservations go back."""
+        try:
+            return await asyncio.to_thread(endpoint.build, aeng.engine, salt)
+        except BaseException as e:
+            for _ in range(endpoint.count()):
+                aeng.release()
+            if isinstance(e, InvalidRequestError):
+                raise APIError(400, e.message, param=e.param, code=e.code) from e
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e), param=endpoint.param) from e
+            raise
+
+    # ---- submit -----------------------------------------------------------------------------------------
+    def submit(self, aeng: AsyncEngine, built: Built, param: str) -> list[RequestStream]:
+        """One reserved engine request per job, or none: every reservation is consumed or released. All jobs are
+        validated first, so a bad one leaves nothing behind in the engine."""
+        streams: list[RequestStream] = []
+        attempts = 0  # each submit call consumes its reservation, whether or not it succeeds
+        try:
+            for ids, params in built.jobs:
+                aeng.validate(ids, params)
+            base = new_id("req")
+            for i, (ids, params) in enumerate(built.jobs):
+                attempts += 1
+                streams.append(aeng.submit(f"{base}-{i}", ids, params))
+        except BaseException as e:
+            for s in streams:
+                s.close()
+            for _ in range(len(built.jobs) - attempts):
+                aeng.release()
+            if isinstance(e, OverloadedError):
+                raise overloaded(e) from e
+            if isinstance(e, InvalidRequestError):
+                raise APIError(400, e.message, param=e.param if e.code != "context_length_exceeded" else param,
+                               code=e.code) from e
+            raise
+        return streams
+
+    # ---- collect or stream ------------------------------------------------------------------------------
+    async def collect(self, streams: list[RequestStream], raw: Request) -> list[Collected]:
+        """Run to completion, watching for a client that hangs up (then abort and free everything)."""
+        outs = [Collected() for _ in streams]
+
+        async def consume() -> None:
+            async for i, out in merge(streams):
+                outs[i].add(out)
+
+        task = asyncio.create_task(consume())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.disconnect_poll_s)
+                if done:
+                    break
+                if await raw.is_disconnected():
+                    task.cancel()  # closing the streams aborts the requests; metrics count them as "abort"
+                    raise APIError(499, "client disconnected", "client_closed_request")
+            task.result()
+        except EngineDeadError as e:
+            raise engine_dead() from e
+        finally:
+            if not task.done():
+                task.cancel()
+            for s in streams:
+                s.close()
+        return outs
+
+    async def stream(self, endpoint: Endpoint, built: Built, streams: list[RequestStream],
+                     include_usage: bool) -> AsyncIterator[str]:
+        """SSE data: the endpoint's chunks, the usage chunk if asked, "[DONE]". An error after the stream started
+        is an error event, then [DONE] (the status line has gone already)."""
+        outs = [Collected() for _ in streams]
+
+        async def tracked() -> AsyncIterator[tuple[int, RequestOutput]]:
+            async for i, out in merge(streams):
+                outs[i].add(out)
+                yield i, out
+
+        try:
+            async for chunk in endpoint.stream(built, tracked()):
+                yield chunk.model_dump_json()
+            if include_usage:
+                yield endpoint.usage_chunk(usage(built, outs)).model_dump_json()
+        except EngineDeadError:
+            yield _json(error_body(ENGINE_DEAD, "service_unavailable", code="engine_dead"))
+        except InvalidRequestError as e:
+            yield _json(error_body(e.message, "invalid_request_error", e.param, e.code or "invalid_request"))
+        except Exception:  # noqa: BLE001 - details go to the log only
+            logger.exception("error while streaming")
+            yield _json(error_body("internal server error", "internal_server_error", code="internal_error"))
+        finally:
+            for s in streams:
+                s.close()
+        yield "[DONE]"
+
+
+def _json(obj: dict) -> str:
+    return json.dumps(obj)
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several engine requests (n > 1, prompt lists) in arrival order, tagged with the choice index."""
+    try:
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+    finally:
+        for s in streams:
+            s.close()
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------------------------
+class ChatEndpoint(Endpoint):
+    param = "messages"
+    id_prefix = "chatcmpl"
+
+    def build(self, engine, salt: str | None) -> Built:
+        b = self.body
+        tools = [t.model_dump(exclude_none=True) for t in b.tools or []]
+        choice = resolve_tool_choice(tools, b.tool_choice)
+        messages = [m.model_dump(exclude_none=True, include={"role", "name", "tool_calls", "tool_call_id"})
+                    | {"content": m.text()} for m in b.messages]
+        engine.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        messages, template_tools = render_messages(messages, tools, choice, engine.tokenizer)
+        ids = engine.encode_chat(messages, tools=template_tools)
+        spec = tool_grammar(tools, choice, b.parallel_tool_calls) or structured_spec(b)
+        lp = (b.top_logprobs or 0) if b.logprobs else None
+        max_tokens = b.max_completion_tokens or b.max_tokens
+        jobs = [(ids, self.params(max_tokens, lp, i, salt, spec)) for i in range(b.n)]
+        return Built(jobs, len(ids), tools_on=choice.mode != "none")
+
+    def logprobs(self, lps: list[TokenLogprob]) -> list[TokenLogprobEntry]:
+        def top(tok: int, lp: float) -> TopLogprob:
+            s = self.piece(tok)
+            return TopLogprob(token=s, logprob=lp, bytes=list(s.encode("utf-8")))
+
+        return [TokenLogprobEntry(**top(x.token_id, x.logprob).model_dump(),
+                                  top_logprobs=[top(t, v) for t, v in x.top]) for x in lps]
+
+    def response(self, built: Built, outs: list[Collected]) -> ChatCompletionResponse:
+        choices = []
+        for i, o in enumerate(outs):
+            message, finish = AssistantMessage(content=o.text), o.finish_reason
+            if built.tools_on:
+                content, calls = parse_tool_calls(o.text)
+                if calls:
+                    message = AssistantMessage(content=content, tool_calls=calls)
+                    finish = "tool_calls" if finish == "stop" else finish
+            lps = ChatLogprobs(content=self.logprobs(o.logprobs)) if self.body.logprobs else None
+            choices.append(ChatChoice(index=i, message=message, logprobs=lps, finish_reason=finish))
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=choices,
+                                      usage=usage(built, outs))
+
+    def chunk(self, i: int, delta: ChatDelta, finish: str | None = None, logprobs=None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model_name, choices=[
+            ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)])
+
+    async def stream(self, built: Built, outputs):
+        for i in range(len(built.jobs)):
+            yield self.chunk(i, ChatDelta(role="assistant", content=""))
+        parsers = [ToolCallParser() for _ in built.jobs] if built.tools_on else None
+        async for i, out in outputs:
+            lp = ChatLogprobs(content=self.logprobs(out.logprobs)) if self.body.logprobs and out.logprobs else None
+            if parsers is not None:  # text goes through the tool-call parser: content and tool_calls deltas
+                deltas = parsers[i].feed(out.text) + (parsers[i].finish() if out.finished else [])
+                for d in deltas[:-1]:
+                    yield self.chunk(i, ChatDelta(**d))
+                if deltas or lp:
+                    yield self.chunk(i, ChatDelta(**deltas[-1]) if deltas else ChatDelta(), None, lp)
+                if out.finished:
+                    reason = out.finish_reason
+                    yield self.chunk(i, ChatDelta(), "tool_calls" if parsers[i].calls and reason == "stop" else reason)
+            elif out.text or lp or out.finished:
+                yield self.chunk(i, ChatDelta(content=out.text) if out.text else ChatDelta(),
+                                 out.finish_reason if out.finished else None, lp)
+
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model_name, choices=[], usage=usage)
+
+
+# ---- /v1/completions ----------------------------------------------------------------------------------------
+class CompletionEndpoint(Endpoint):
+    param = "prompt"
+    id_prefix = "cmpl"
+
+    def __init__(self, body: CompletionRequest, model_name: str) -> None:
+        super().__init__(body, model_name)
+        self.prompts = body.prompts()
+
+    def count(self) -> int:
+        return len(self.prompts) * self.body.n
+
+    def build(self, engine, salt: str | None) -> Built:
+        b = self.body
+        spec = structured_spec(b)
+        # echo + logprobs scores the prompt too (lm-evaluation-harness's loglikelihood), as vLLM does
+        score_prompt = b.logprobs if b.echo and b.logprobs is not None else None
+        for p in self.prompts:  # refuse what cannot fit before tokenizing anything
+            if isinstance(p, str):
+                engine.check_prompt_chars(len(p), "prompt")
+        jobs, total = [], 0
+        max_tokens = 16 if b.max_tokens is None else b.max_tokens
+        for p in self.prompts:
+            ids = engine.tokenize(p) if isinstance(p, str) else p
+            total += len(ids)
+            jobs += [(ids, self.params(max_tokens, b.logprobs, i, salt, spec, prompt_logprobs=score_prompt))
+                     for i in range(b.n)]
+        echo = [(p if isinstance(p, str) else self.text(p)) if b.echo else "" for p in self.prompts for _ in range(b.n)]
+        return Built(jobs, total, prompt_groups=len(self.prompts), echo=echo)
+
+    def logprobs(self, lps: list[TokenLogprob], start: int = 0) -> CompletionLogprobs:
+        tokens = [self.piece(x.token_id) for x in lps]
+        offsets, pos = [], start
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=[x.logprob for x in lps], text_offset=offsets,
+            top_logprobs=[None if x.top is None else {self.piece(t): v for t, v in x.top} for x in lps])
+
+    @staticmethod
+    def with_prompt(prompt_ids: list[int], prompt_lps, lps: list[TokenLogprob]) -> list:
+        """Echoed prompt entries (None for the first token, which has no logprob), then the generated ones."""
+        if prompt_lps is None:
+            return lps
+        return [x if x is not None else TokenLogprob(t, None, None) for t, x in zip(prompt_ids, prompt_lps)] + lps
+
+    def response(self, built: Built, outs: list[Collected]) -> CompletionResponse:
+        choices = []
+        for i, o in enumerate(outs):
+            lps = None
+            if self.body.logprobs is not None:
+                start = 0 if o.prompt_logprobs is not None else len(built.echo[i])
+                lps = self.logprobs(self.with_prompt(built.jobs[i][0], o.prompt_logprobs, o.logprobs), start)
+            choices.append(CompletionChoice(index=i, text=built.echo[i] + o.text, logprobs=lps,
+                                            finish_reason=o.finish_reason))
+        return CompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=choices,
+                                  usage=usage(built, outs))
+
+    def chunk(self, i: int, text: str, finish: str | None = None, logprobs=None) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=[
+            CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish)])
+
+    async def stream(self, built: Built, outputs):
+        for i, text in enumerate(built.echo):
+            if text:
+                yield self.chunk(i, text)
+        offsets = [len(text) for text in built.echo]  # text_offset counts the echoed prompt and earlier chunks
+        async for i, out in outputs:
+            lp = None
+            if self.body.logprobs is not None:
+                if out.prompt_logprobs is not None:  # the echoed prompt's own entries come first, from offset 0
+                    offsets[i] = 0
+                lps = self.with_prompt(built.jobs[i][0], out.prompt_logprobs, out.logprobs)
+                if lps:
+                    lp = self.logprobs(lps, offsets[i])
+                    offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1])
+            if out.text or lp or out.finished:
+                yield self.chunk(i, out.text, out.finish_reason if out.finished else None, lp)
+
+    def usage_chunk(self, usage: Usage) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=[], usage=usage)
