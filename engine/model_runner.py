@@ -14,9 +14,9 @@ from engine.layers.dispatch import KernelTable, kernel_table
 from engine.layers.fused_decode import FusedDecoder
 from engine.models.llama import LlamaModel
 from engine.prompt_logprobs import prompt_logprobs
+from engine.rejection_sampler import verify_batch
 from engine.sampler import Sampler, SampleRequest, TokenLogprob
 from engine.sequence import Sequence
-from engine.spec_decode.verifier import verify_batch
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(seq.block_table)
-        host = _HostBatch.build(input_ids, positions, query_lens, seq_lens, tables, self.block_size)
+        host = HostBatch.build(input_ids, positions, query_lens, seq_lens, tables, self.block_size)
         if self.graph_runner is not None and len(input_ids) == len(order) and self.graph_runner.fits(len(order)):
             hidden = self.graph_runner.run(host.input_ids, host.positions, host.slot_mapping, host.seq_lens,
                                            host.block_tables)
@@ -234,12 +234,12 @@ class ModelRunner:
     def _metadata(self, positions: list[int], query_lens: list[int], seq_lens: list[int],
                   tables: list[list[int]]) -> AttentionMetadata:
         """Metadata for a batch given as lists (the profile run, tests and tools; `run` builds its own)."""
-        host = _HostBatch.build([0] * len(positions), positions, query_lens, seq_lens, tables, self.block_size)
+        host = HostBatch.build([0] * len(positions), positions, query_lens, seq_lens, tables, self.block_size)
         return self._backend_metadata(host.metadata(self.device, query_lens, seq_lens))
 
 
 @dataclass(slots=True)
-class _HostBatch:
+class HostBatch:
     """The step's flat batch as CPU tensors; copied to the device once (or into graph buffers)."""
 
     input_ids: torch.Tensor
@@ -251,7 +251,7 @@ class _HostBatch:
 
     @classmethod
     def build(cls, input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
-              tables: list[list[int]], block_size: int) -> _HostBatch:
+              tables: list[list[int]], block_size: int) -> HostBatch:
         # In Python lists, then one tensor each: at batch 1 the tensor-op version (repeat_interleave, gathers,
         # cumsum) cost ~0.3 ms of a ~9 ms step; a 2,048-token prefill's slots take ~0.3 ms either way.
         width = max(len(t) for t in tables)

@@ -55,7 +55,7 @@ class Sampler:
             idx = torch.tensor(rand, device=logits.device)
             sub = logits[idx] / torch.tensor([reqs[i].params.temperature for i in rand],
                                              device=logits.device)[:, None]
-            sub = _top_k_top_p(sub, [reqs[i].params.top_k for i in rand], [reqs[i].params.top_p for i in rand])
+            sub = top_k_top_p(sub, [reqs[i].params.top_k for i in rand], [reqs[i].params.top_p for i in rand])
             probs = sub.softmax(dim=-1)
             noise = torch.empty_like(probs)
             shared = [j for j, i in enumerate(rand) if reqs[i].generator is None]
@@ -82,7 +82,7 @@ class Sampler:
         return token_list, logprobs
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask logits outside each row's top-k and nucleus (top-p); rows with both off pass through."""
     vocab = logits.shape[-1]
     ks = [k if 0 < k < vocab else vocab for k in top_k]

@@ -113,3 +113,46 @@ def record_comparison(where: str, ours, ref, our_logprobs) -> str:
 def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"greedy comparisons accepted at a genuine near-tie (<=1e-3): {len(NEAR_TIES)}"
                                 + (f" ({', '.join(NEAR_TIES)})" if NEAR_TIES else ""))
+
+
+EOS = 0  # the end-of-sequence token of the scheduler tests' fake vocabulary
+
+
+def drive(scheduler, ops, step, min_prompt: int = 1, steps_to_drain: int = 20_000) -> tuple[list, set]:
+    """Random interleavings for the scheduler's property tests: apply `ops` ((op, length, max_tokens, pick) with
+    op add / abort / anything else = one `step()`), then step until idle. Asserts what must hold for any
+    interleaving: nothing gets stuck, no block leaks, the block manager's books balance, and every request
+    not aborted ends by EOS or at exactly max_tokens. Returns (sequences, ids of the aborted ones)."""
+    from engine.sequence import Sequence, SequenceStatus
+
+    bm = scheduler.block_manager
+    capacity = bm.num_blocks * bm.block_size
+    seqs, aborted = [], set()
+    for op, length, max_tokens, pick in ops:
+        if op == "add":
+            length = max(min_prompt, min(length, capacity - max_tokens))  # the engine rejects what can never fit
+            q = Sequence(len(seqs), f"r{len(seqs)}", [1 + (pick + i) % 3 for i in range(length)],
+                         SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({EOS}))
+            seqs.append(q)
+            scheduler.add(q)
+        elif op == "abort" and seqs:
+            q = seqs[pick % len(seqs)]
+            if scheduler.abort(q.request_id) is not None:
+                aborted.add(q.seq_id)
+        else:
+            step()
+    for _ in range(steps_to_drain):
+        if not scheduler.has_unfinished():
+            break
+        step()
+    assert not scheduler.has_unfinished(), "a request got stuck"
+    assert bm.num_used_blocks == 0
+    bm.check_integrity([])
+    for q in seqs:
+        assert q.is_finished
+        if q.seq_id not in aborted:
+            assert q.status in (SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_STOPPED)
+            assert 1 <= q.num_output_tokens <= q.max_tokens
+            if q.status is SequenceStatus.FINISHED_LENGTH:
+                assert q.num_output_tokens == q.max_tokens
+    return seqs, aborted

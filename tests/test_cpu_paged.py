@@ -142,7 +142,6 @@ def test_auto_picks_the_kernel_on_cpu(kernel):
     assert get_backend("auto", torch.device("cpu")).name == "cpu"
 
 
-@pytest.mark.slow
 def test_smollm_greedy_matches_reference_backend(make_engine):
     """Real weights, chunked prefill mixing decodes with extends, prefix-cache hits: same greedy tokens."""
     base = "The quick brown fox jumps over the lazy dog. " * 12

@@ -13,7 +13,7 @@ from engine.config import ModelConfig
 from engine.layers.dispatch import kernel_table
 from engine.layers.fused_decode import FusedDecoder
 from engine.layers.linear import select_kernels
-from engine.model_runner import _HostBatch
+from engine.model_runner import HostBatch
 from engine.models.llama import LlamaModel
 from engine.quant.loading import QuantSpec, quantize_model
 
@@ -43,7 +43,7 @@ def _run(model, dtype, positions, q_lens, seq_lens, tables, slots_override=None,
     gen = torch.Generator().manual_seed(7)
     cache = torch.randn(cfg.num_layers, 2, 8, BLOCK, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(dtype)
     kv = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
-    host = _HostBatch.build([0] * len(positions), positions, q_lens, seq_lens, tables, BLOCK)
+    host = HostBatch.build([0] * len(positions), positions, q_lens, seq_lens, tables, BLOCK)
     meta = host.metadata(CPU, q_lens, seq_lens)
     if slots_override is not None:
         meta.slot_mapping = slots_override

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 
 import httpx
 import openai
@@ -132,12 +131,11 @@ def test_slow_body_gets_408_and_frees_the_connection(server):
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS[0]}\r\n"
                   "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ".encode())
-        t0 = time.monotonic()
         reply = b""
-        while chunk := s.recv(65536):  # the server gives up on the body after body_timeout_s, and hangs up
-            reply += chunk
+        while chunk := s.recv(65536):  # the server gives up on the body after body_timeout_s and hangs up (a
+            reply += chunk  # server that never did would raise the socket's timeout here)
         reply = reply.decode()
-        assert reply.startswith("HTTP/1.1 408") and time.monotonic() - t0 < 9
+        assert reply.startswith("HTTP/1.1 408")
         assert json.loads(reply.split("\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
 
 
@@ -205,11 +203,13 @@ def test_prefix_cache_shared_across_keys_when_asked(make_engine):
 
 
 def test_a_huge_prompt_does_not_freeze_streams_or_health(make_engine):
-    """While multi-megabyte prompts arrive, a running stream keeps getting tokens and /health answers.
-
-    The bounds are generous (a loaded 2-core machine): this asserts "not frozen", not speed.
-    """
+    """While multi-megabyte prompts arrive, a running stream keeps getting tokens and /health answers: the
+    oversized prompts are refused without being tokenized, and every refusal and several health checks
+    complete while the stream is still running (events in order, not timings)."""
     engine = make_engine(num_blocks=256)
+    tokenized: list[int] = []
+    real_tokenize = engine.tokenize
+    engine.tokenize = lambda prompt: tokenized.append(len(prompt)) or real_tokenize(prompt)
     with running_server(engine, max_body_bytes=32 * 2**20) as (base, state):
         huge = {"prompt": "word " * 1_600_000, "max_tokens": 2}  # 8 MB: refused before tokenizing
         big = {"prompt": "word " * 60_000, "max_tokens": 2}  # 300 kB: tokenized (off the loop), then refused
@@ -217,8 +217,7 @@ def test_a_huge_prompt_does_not_freeze_streams_or_health(make_engine):
 
         async def main():
             async with httpx.AsyncClient(timeout=120) as c:
-                arrivals: list[float] = []
-                health: list[float] = []
+                events: list[str] = []
                 started = asyncio.Event()
 
                 async def stream():
@@ -227,33 +226,35 @@ def test_a_huge_prompt_does_not_freeze_streams_or_health(make_engine):
                     async with c.stream("POST", f"{base}/v1/completions", json=body) as r:
                         async for line in r.aiter_lines():
                             if line.startswith("data: "):
-                                arrivals.append(time.monotonic())
-                                if len(arrivals) == 5:
+                                events.append("chunk")
+                                if events.count("chunk") == 5:
                                     started.set()
+                    events.append("stream done")
 
                 async def attack():
                     await started.wait()
                     codes = []
                     for body in (huge, big, over, huge):
                         codes.append((await c.post(f"{base}/v1/completions", json=body)).status_code)
+                    events.append("attack done")
                     return codes
 
                 async def ping():
                     await started.wait()
-                    while len(arrivals) < 100:
-                        t0 = time.monotonic()
+                    while "attack done" not in events:
                         assert (await c.get(f"{base}/health")).status_code == 200
-                        health.append(time.monotonic() - t0)
+                        events.append("health")
                         await asyncio.sleep(0.05)
 
                 _, codes, _ = await asyncio.gather(stream(), attack(), ping())
-                return arrivals, health, codes
+                return events, codes
 
-        arrivals, health, codes = asyncio.run(main())
+        events, codes = asyncio.run(main())
         assert codes == [400, 400, 413, 400]
-        gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-        assert len(arrivals) >= 120 and max(gaps) < 3.0, f"stream stalled for {max(gaps):.2f} s"
-        assert health and max(health) < 3.0, f"/health took {max(health):.2f} s"
+        assert events.index("attack done") < events.index("stream done"), "the stream ended before the attack"
+        assert events.count("chunk") >= 120  # and it went on to the end
+        assert events[:events.index("attack done")].count("health") >= 2
+        assert all(n < 1_000_000 for n in tokenized), "an oversized prompt was tokenized"
         _wait_idle(state)
 
 

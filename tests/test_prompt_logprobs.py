@@ -22,7 +22,7 @@ PROMPT = ("It is a truth universally acknowledged, that a single man in possessi
 def reference(smollm):
     """log p(token t+1 | tokens <= t) from one fresh forward pass of the engine's model over the whole prompt."""
     from engine.attention import get_backend
-    from engine.model_runner import _HostBatch
+    from engine.model_runner import HostBatch
 
     ids = smollm.tokenizer.encode(PROMPT)
     model = smollm.model
@@ -30,7 +30,7 @@ def reference(smollm):
     n, bs = len(ids), 16
     blocks = math.ceil(n / bs)
     kv = torch.zeros(cfg.num_layers, 2, blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-    host = _HostBatch.build(ids, list(range(n)), [n], [n], [list(range(blocks))], bs)
+    host = HostBatch.build(ids, list(range(n)), [n], [n], [list(range(blocks))], bs)
     with torch.inference_mode():
         hidden = model(host.input_ids, host.positions, [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)],
                        host.metadata(torch.device("cpu"), [n], [n]), get_backend("torch", torch.device("cpu")))

@@ -2,6 +2,7 @@
 
 import random
 
+from conftest import EOS, drive
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,8 +11,6 @@ from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler import DEFAULT_PREFILL_MS_PER_TOKEN, Scheduler, admission_key
 from engine.sequence import Sequence, SequenceStatus
-
-EOS = 0
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, policy="continuous", prefix=True):
@@ -249,38 +248,9 @@ def test_prefix_cache_hit_skips_computation():
 )
 def test_random_interleavings_never_leak(ops, num_blocks, block_size, budget, max_num_seqs, prefix):
     s = make(num_blocks, block_size, max_num_seqs, budget, prefix=prefix)
-    capacity = num_blocks * block_size
     rng = random.Random(0)
-    seqs, aborted = [], set()
 
     def token(q):  # sometimes EOS; tokens drawn from a small alphabet so prefixes repeat
         return EOS if rng.random() < 0.05 else rng.randint(1, 3)
 
-    for op, length, max_tokens, pick in ops:
-        if op == "add":
-            length = min(length, capacity - max_tokens)  # the engine rejects what can never fit
-            q = Sequence(len(seqs), f"r{len(seqs)}", [1 + (pick + i) % 3 for i in range(length)],
-                         SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({EOS}))
-            seqs.append(q)
-            s.add(q)
-        elif op == "abort" and seqs:
-            q = seqs[pick % len(seqs)]
-            if s.abort(q.request_id) is not None:
-                aborted.add(q.seq_id)
-        else:
-            step(s, token)
-    for _ in range(10_000):
-        if not s.has_unfinished():
-            break
-        step(s, token)
-    assert not s.has_unfinished(), "a request got stuck"
-    bm = s.block_manager
-    assert bm.num_used_blocks == 0
-    bm.check_integrity([])
-    for q in seqs:
-        assert q.is_finished
-        if q.seq_id not in aborted:
-            assert q.status in (SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_STOPPED)
-            assert 1 <= q.num_output_tokens <= q.max_tokens
-            if q.status is SequenceStatus.FINISHED_LENGTH:
-                assert q.num_output_tokens == q.max_tokens
+    drive(s, ops, lambda: step(s, token))

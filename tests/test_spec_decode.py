@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams, make_config
+from engine.rejection_sampler import verify
 from engine.sampler import SampleRequest
 from engine.sequence import Sequence
 from engine.spec_decode.proposer import NgramProposer
 from engine.spec_decode.speculator import best_gamma, expected_tokens, speedup
-from engine.spec_decode.verifier import verify
 from engine.step_cost import StepCostModel, StepShape
 
 

@@ -3,6 +3,7 @@ rejected ones are rolled back and their blocks given back, and the prefix cache 
 
 import random
 
+from conftest import EOS, drive
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,7 +13,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
-EOS = 0
 VOCAB = 5
 
 
@@ -153,9 +153,7 @@ def test_long_random_runs_accept_and_reject_drafts():
 def run_interleaving(ops, num_blocks, block_size, budget, max_num_seqs, prefix, p_right, max_gamma) -> Scheduler:
     s = make(num_blocks, block_size, budget, max_num_seqs, prefix)
     s.accepted = s.rejected = 0
-    capacity = num_blocks * block_size
     rng = random.Random(0)
-    seqs, aborted = [], set()
 
     def propose(q):  # a mix of right and wrong guesses, of random length (0 = not speculating)
         ctx, out = list(q.token_ids), []
@@ -165,39 +163,11 @@ def run_interleaving(ops, num_blocks, block_size, budget, max_num_seqs, prefix, 
             ctx.append(t)
         return out
 
-    for op, length, max_tokens, pick in ops:
-        if op == "add":
-            length = max(2, min(length, capacity - max_tokens))
-            q = Sequence(len(seqs), f"r{len(seqs)}", [1 + (pick + i) % 3 for i in range(length)],
-                         SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({EOS}))
-            seqs.append(q)
-            s.add(q)
-        elif op == "abort" and seqs:
-            q = seqs[pick % len(seqs)]
-            if s.abort(q.request_id) is not None:
-                aborted.add(q.seq_id)
-        else:
-            spec_step(s, propose)
-    for _ in range(10_000):
-        if not s.has_unfinished():
-            break
-        spec_step(s, propose)
-    assert not s.has_unfinished(), "a request got stuck"
-    bm = s.block_manager
-    assert bm.num_used_blocks == 0
-    bm.check_integrity([])
+    seqs, aborted = drive(s, ops, lambda: spec_step(s, propose), min_prompt=2)
     for q in seqs:
-        assert q.is_finished
-        if q.seq_id in aborted:
-            continue
-        assert q.status in (SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_STOPPED)
-        ref = list(q.prompt_token_ids)  # the output is exactly the target's, whatever was drafted
-        while len(ref) < q.num_tokens:
-            ref.append(truth(ref))
-        assert q.token_ids == ref
-        assert 1 <= q.num_output_tokens <= q.max_tokens
-        if q.status is SequenceStatus.FINISHED_LENGTH:
-            assert q.num_output_tokens == q.max_tokens
-        else:
-            assert q.token_ids[-1] == EOS and EOS not in q.output_token_ids[:-1]
+        if q.seq_id not in aborted:
+            ref = list(q.prompt_token_ids)  # the output is exactly the target's, whatever was drafted
+            while len(ref) < q.num_tokens:
+                ref.append(truth(ref))
+            assert q.token_ids == ref
     return s

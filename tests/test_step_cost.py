@@ -3,9 +3,10 @@
 import random
 
 import numpy as np
+from conftest import EOS, drive
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_scheduler import EOS, step
+from test_scheduler import step
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
@@ -98,9 +99,7 @@ def test_time_budget_keeps_the_scheduler_invariants(ops, num_blocks, block_size,
     model = fitted(coef)
     s = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_step_ms=target),
                   BlockManager(num_blocks, block_size, True), model)
-    capacity = num_blocks * block_size
     rng = random.Random(0)
-    seqs, aborted = [], set()
 
     def token(q):
         return EOS if rng.random() < 0.05 else rng.randint(1, 3)
@@ -117,29 +116,7 @@ def test_time_budget_keeps_the_scheduler_invariants(ops, num_blocks, block_size,
         if oldest_prefill is not None and not out.num_preempted and oldest_prefill.status is SequenceStatus.RUNNING:
             assert oldest_prefill in out.seqs  # the oldest waiting prompt always advances
 
-    for op, length, max_tokens, pick in ops:
-        if op == "add":
-            length = min(length, capacity - max_tokens)
-            q = Sequence(len(seqs), f"r{len(seqs)}", [1 + (pick + i) % 3 for i in range(length)],
-                         SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({EOS}))
-            seqs.append(q)
-            s.add(q)
-        elif op == "abort" and seqs:
-            q = seqs[pick % len(seqs)]
-            if s.abort(q.request_id) is not None:
-                aborted.add(q.seq_id)
-        else:
-            checked_step()
-    for _ in range(20_000):
-        if not s.has_unfinished():
-            break
-        checked_step()
-    assert not s.has_unfinished(), "a request got stuck"
-    assert s.block_manager.num_used_blocks == 0
-    for q in seqs:
-        assert q.is_finished
-        if q.seq_id not in aborted and q.status is SequenceStatus.FINISHED_LENGTH:
-            assert q.num_output_tokens == q.max_tokens
+    drive(s, ops, checked_step)
 
 
 def test_offline_llm_turns_the_step_time_target_off(monkeypatch):

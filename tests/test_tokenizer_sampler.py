@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import InvalidRequestError
-from engine.sampler import Sampler, SampleRequest, _top_k_top_p
+from engine.sampler import Sampler, SampleRequest, top_k_top_p
 from engine.sampling_params import MAX_STOP_STRING_CHARS, SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -62,10 +62,10 @@ def test_greedy_and_temperature_zero():
 
 def test_top_k_top_p_masks():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    assert torch.isinf(_top_k_top_p(logits, [2], [1.0])[0, 2:]).all()
-    kept = ~torch.isinf(_top_k_top_p(logits, [0], [0.75])[0])
+    assert torch.isinf(top_k_top_p(logits, [2], [1.0])[0, 2:]).all()
+    kept = ~torch.isinf(top_k_top_p(logits, [0], [0.75])[0])
     assert kept.tolist() == [True, True, False, False]  # 0.5 + 0.3 covers 0.75
-    kept = ~torch.isinf(_top_k_top_p(logits, [0], [0.1])[0])
+    kept = ~torch.isinf(top_k_top_p(logits, [0], [0.1])[0])
     assert kept.tolist() == [True, False, False, False]  # always at least one
 
 

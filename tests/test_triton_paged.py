@@ -289,6 +289,7 @@ for dtype, name, head_dim in ((torch.bfloat16, "bf16", 64), (torch.bfloat16, "bf
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper():
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import SampleRequest, _top_k_top_p
+from engine.sampler import SampleRequest, top_k_top_p
 
 
 def target_logits(logits: torch.Tensor, draft: list[int], req: SampleRequest) -> torch.Tensor:
@@ -34,7 +34,7 @@ def target_logits(logits: torch.Tensor, draft: list[int], req: SampleRequest) ->
 def target_probs(logits: torch.Tensor, req: SampleRequest) -> torch.Tensor:
     p = req.params
     rows = logits.shape[0]
-    return _top_k_top_p(logits / p.temperature, [p.top_k] * rows, [p.top_p] * rows).softmax(dim=-1)
+    return top_k_top_p(logits / p.temperature, [p.top_k] * rows, [p.top_p] * rows).softmax(dim=-1)
 
 
 @torch.no_grad()

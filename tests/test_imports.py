@@ -1,0 +1,126 @@
+"""The house's shape: every module imports on its own, no import cycles (module-level or inside functions,
+packages' __init__ included), the model never reaches into an attention backend, nothing crosses a private name."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("engine", "server", "benchmarks")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(path: Path, module: str, known: dict[str, Path]) -> set[str]:
+    """Every project module `module` imports, anywhere in the file, except under `if TYPE_CHECKING:`. Importing
+    a.b.c runs a and a.b first, so those count too."""
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for sub in node.body for n in ast.walk(sub)}
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base
+                                                                                               else []))
+            names |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names}
+    out = set()
+    for name in names:
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if prefix in known and prefix != module:
+                out.add(prefix)
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    # a package's own __init__ is run by importing any of its modules: not an edge back to it
+    return {m: {d for d in _imports(p, m, known) if not m.startswith(d + ".")} for m, p in known.items()}
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+def test_layers_point_one_way():
+    graph = _graph()
+    model_deps = graph["engine.models.llama"]
+    assert not any(d.startswith("engine.attention.") and d != "engine.attention.base" for d in model_deps), \
+        "the model imports a backend's internals"
+    for m, deps in graph.items():
+        if m.startswith("engine"):
+            assert not any(d.startswith(("server", "benchmarks")) for d in deps), (m, deps)
+        if m.startswith("server"):
+            assert not any(d.startswith("benchmarks") for d in deps - {"benchmarks", "benchmarks.serve"}), (m, deps)
+
+
+def test_every_module_imports_in_a_fresh_interpreter():
+    skip = {"server.__main__"}  # runs the CLI
+    mods = sorted(m for m in _modules() if m not in skip)
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint('ok')"
+    out = subprocess.run([sys.executable, "-c", code, *mods], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_no_private_names_cross_modules():
+    known = _modules()
+    crossing = []
+    for module, path in known.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES:
+                crossing += [f"{module}: {node.module}.{a.name}" for a in node.names
+                             if a.name.startswith("_") and not a.name.startswith("__")]
+    assert crossing == []
