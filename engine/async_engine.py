@@ -26,9 +26,10 @@ class EngineDeadError(RuntimeError):
 
 
 class OverloadedError(RuntimeError):
-    def __init__(self, message: str, retry_after: float) -> None:
+    def __init__(self, message: str, retry_after: float, reason: str = "queue_full") -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.reason = reason  # for the rejection counter: queue_full, queue_wait
 
 
 @dataclass(frozen=True)
@@ -36,15 +37,24 @@ class AdmissionLimits:
     max_waiting_requests: int | None = opt(
         256, "requests allowed to wait for a slot (admitted, not yet running); more get 429 + Retry-After")
     max_queued_tokens: int | None = opt(None, "prompt tokens allowed to wait; more get 429 + Retry-After")
+    max_queue_wait_s: float | None = opt(
+        120.0, "longest a request may wait to start: one whose estimated start (queue depth over the measured "
+               "start rate) is later gets 429 + Retry-After at once, and one still not started then gets 429 "
+               "instead of silence (0: no bound)")
+
+
+# How many recent gaps between starts the start rate is measured over
+RATE_WINDOW = 64
 
 
 class _Stream:
-    __slots__ = ("queue", "num_prompt_tokens", "started")
+    __slots__ = ("queue", "num_prompt_tokens", "started", "first")
 
     def __init__(self, num_prompt_tokens: int) -> None:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.num_prompt_tokens = num_prompt_tokens
         self.started = False  # first output seen
+        self.first = asyncio.Event()  # set by the first output (or the engine's death)
 
 
 class AsyncEngine:
@@ -59,7 +69,10 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._reserved = 0  # admitted requests not yet handed to the engine
         self._queued_tokens = 0
-        self._finish_times: deque[float] = deque(maxlen=64)
+        # gaps between consecutive first outputs while requests were waiting: how fast the queue drains when it
+        # has to (idle time between bursts is not part of it)
+        self._start_gaps: deque[float] = deque(maxlen=RATE_WINDOW)
+        self._last_start: tuple[float, int] | None = None  # (when, requests then waiting)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -105,9 +118,12 @@ class AsyncEngine:
                 continue
             if not stream.started:
                 stream.started = True
+                stream.first.set()
                 self._queued_tokens -= stream.num_prompt_tokens
-            if out.finished:
-                self._finish_times.append(time.monotonic())
+                now = time.monotonic()
+                if self._last_start is not None and self._last_start[1] > 0:
+                    self._start_gaps.append(now - self._last_start[0])
+                self._last_start = (now, self.num_waiting)
             stream.queue.put_nowait(out)
         if self.on_outputs is not None:
             self.on_outputs(outputs)
@@ -115,6 +131,7 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(f"engine loop died: {error!r}"))
+            stream.first.set()
 
     @property
     def num_waiting(self) -> int:
@@ -129,23 +146,34 @@ class AsyncEngine:
         """The engine's snapshot, with admitted requests not yet handed to it counted as waiting."""
         return dataclasses.replace(self.engine.stats(), num_waiting=self.num_waiting)
 
-    def retry_after(self) -> float:
-        """Seconds until a slot likely frees: queue depth over the measured completion rate, in [1, 60]."""
-        times = self._finish_times
-        if len(times) >= 2 and times[-1] > times[0]:
-            rate = (len(times) - 1) / (times[-1] - times[0])
-            if time.monotonic() - times[-1] < 30:
-                return float(min(60, max(1, math.ceil((self.num_waiting + 1) / rate))))
-        return float(min(60, max(1, self.num_waiting // 8 + 1)))
+    def expected_wait(self) -> float | None:
+        """Seconds until one more request would start: the requests waiting ahead of it times the measured gap
+        between starts while a queue drains (None before any was measured; 0 with nobody waiting)."""
+        if not self._start_gaps:
+            return None
+        return self.num_waiting * sum(self._start_gaps) / len(self._start_gaps)
+
+    def retry_after(self, wait: float | None = None) -> float:
+        """Whole seconds in [1, 60] until a retry would likely be admitted."""
+        wait = self.expected_wait() if wait is None else wait
+        if wait is None:
+            return float(min(60, max(1, self.num_waiting // 8 + 1)))
+        return float(min(60, max(1, math.ceil(wait))))
 
     def reserve(self) -> None:
-        """Admission control, called before any tokenizing: raises OverloadedError when full."""
+        """Admission control, called before any tokenizing: raises OverloadedError when the queue is full or a
+        new request would not start within max_queue_wait_s."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop died: {self.error!r}")
         limit = self.limits.max_waiting_requests
         if limit is not None and self.num_waiting >= limit:
             raise OverloadedError(f"server overloaded: {self.num_waiting} requests already waiting (limit "
                                   f"{limit})", self.retry_after())
+        bound, wait = self.limits.max_queue_wait_s, self.expected_wait()
+        if bound and wait is not None and wait > bound:
+            raise OverloadedError(f"server overloaded: a new request would start in about {wait:.0f} s, later than "
+                                  f"the {bound:g} s allowed (--max-queue-wait-s)", self.retry_after(wait - bound),
+                                  reason="queue_wait")
         self._reserved += 1
 
     def release(self) -> None:
@@ -212,6 +240,13 @@ class RequestStream:
             self.finished = True
             self.owner._close(self.request_id, self._stream, True)
         return item
+
+    @property
+    def started(self) -> bool:
+        return self._stream.first.is_set()
+
+    async def wait_started(self) -> None:
+        await self._stream.first.wait()
 
     def close(self) -> None:
         self.owner._close(self.request_id, self._stream, self.finished)

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -17,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import EngineStats, LLMEngine
 from server.config import ServerConfig
+from server.connections import protocol_class
 from server.guards import ApiKeyAuth, BodyLimit
 from server.metrics import Metrics
 from server.protocol import (
@@ -31,7 +33,7 @@ from server.serving import ENGINE_DEAD, APIError, ChatEndpoint, CompletionEndpoi
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ServerConfig", "create_app"]
+__all__ = ["ServerConfig", "create_app", "uvicorn_config"]
 
 
 class ServerState:
@@ -95,9 +97,8 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
     # ---- errors: always the OpenAI shape -----------------------------------------------------------------
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        reason = {400: "invalid_request", 404: "model_not_found", 429: "queue_full"}.get(exc.status)
-        if reason:
-            state.metrics.reject(reason)
+        if exc.reason:
+            state.metrics.reject(exc.reason)
         return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -151,6 +152,15 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
         return _respond(await serving.generate(CompletionEndpoint, body, raw))
 
     return app
+
+
+def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
+    """How `pagedserve serve` runs the app: uvicorn's h11 protocol with a header deadline and a connection cap
+    that idle sockets cannot fill (server/connections.py)."""
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                          timeout_graceful_shutdown=5, timeout_keep_alive=config.keep_alive_timeout_s,
+                          http=protocol_class(config.header_timeout_s, config.max_connections),
+                          h11_max_incomplete_event_size=64 * 1024)  # request line + headers
 
 
 def _respond(result):

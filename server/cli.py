@@ -52,7 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from engine.async_engine import AdmissionLimits
     from engine.llm_engine import LLMEngine
-    from server.app import create_app
+    from server.app import create_app, uvicorn_config
     from server.config import ServerConfig
 
     config = _engine_config(args)
@@ -66,11 +66,21 @@ def cmd_serve(args: argparse.Namespace) -> None:
                  "could use the model and read the metrics. Set --api-key (or PAGEDSERVE_API_KEY), or pass "
                  "--allow-insecure-no-auth if the network is trusted.")
     app = create_app(lambda: LLMEngine(config), server)
+    _raise_open_files_limit()  # the connection cap, not the file limit, should decide who is refused
     print(f"pagedserve: serving {server.served_model_name!r} on http://{server.host}:{server.port}/v1 "
           f"({'API key required' if server.api_keys() else 'no auth'}; loading the model...)", flush=True)
-    uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level, timeout_graceful_shutdown=5,
-                timeout_keep_alive=server.keep_alive_timeout_s, limit_concurrency=server.max_connections,
-                h11_max_incomplete_event_size=64 * 1024)  # request line + headers
+    uvicorn.Server(uvicorn_config(app, server)).run()
+
+
+def _raise_open_files_limit() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
 
 
 def _is_loopback(host: str) -> bool:

@@ -24,7 +24,10 @@ class ServerConfig:
     max_body_bytes: int = opt(8 * 2**20, "largest request body accepted; more gets 413")
     body_timeout_s: float = opt(30.0, "time allowed to receive a request body; slower gets 408")
     keep_alive_timeout_s: int = opt(5, "idle keep-alive connections are closed after this many seconds")
-    max_connections: int | None = opt(1024, "concurrent connections beyond which new requests get 503")
+    header_timeout_s: float = opt(10.0, "a request's line and headers must arrive within this many seconds of the "
+                                        "connection opening (or of its previous response); else it is closed")
+    max_connections: int | None = opt(1024, "open connections at most: idle ones are closed to make room for new "
+                                            "ones; past it with every connection busy, a new one gets 503")
     disconnect_poll_s: float = 0.1
 
     def api_keys(self) -> tuple[str, ...]:

@@ -57,10 +57,12 @@ class APIError(Exception):
     """An error response in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None, reason: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
+        # what the rejection counter calls it (None: not counted)
+        self.reason = reason or {400: "invalid_request", 404: "model_not_found", 429: "queue_full"}.get(status)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -69,7 +71,8 @@ class APIError(Exception):
 def overloaded(e: OverloadedError) -> APIError:
     seconds = max(1, min(60, math.ceil(e.retry_after)))
     return APIError(429, f"{e} Retry after {seconds} s.", "rate_limit_error", code="server_overloaded",
-                    headers={"Retry-After": str(seconds), "retry-after-ms": str(int(seconds * 1000))})
+                    headers={"Retry-After": str(seconds), "retry-after-ms": str(int(seconds * 1000))},
+                    reason=e.reason)
 
 
 def engine_dead() -> APIError:
@@ -192,6 +195,7 @@ class Serving:
         salt = self.cache_salt(body, raw)
         built = await self.build(aeng, endpoint, salt)
         streams = self.submit(aeng, built, endpoint.param)
+        await self.wait_started(aeng, streams, raw)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return self.stream(endpoint, built, streams, include_usage)
@@ -268,6 +272,34 @@ class Serving:
                                code=e.code) from e
             raise
         return streams
+
+    async def wait_started(self, aeng: AsyncEngine, streams: list[RequestStream], raw: Request) -> None:
+        """Until every request has its first output, watching for a client that leaves; past max_queue_wait_s
+        the requests are aborted and the client gets 429 + Retry-After, never silence. A stream's status line is
+        sent only after this, so that answer is still possible."""
+        bound = aeng.limits.max_queue_wait_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + bound if bound else None
+        waiters = [asyncio.ensure_future(s.wait_started()) for s in streams]
+        try:
+            while pending := [w for w in waiters if not w.done()]:
+                if deadline is not None and loop.time() >= deadline:
+                    wait = aeng.expected_wait()  # a retry is welcome once the queue ahead would start in time
+                    raise overloaded(OverloadedError(
+                        f"server overloaded: not started within {bound:g} s (--max-queue-wait-s)",
+                        aeng.retry_after(None if wait is None else wait - bound), "queue_wait"))
+                timeout = self.disconnect_poll_s if deadline is None else \
+                    min(self.disconnect_poll_s, deadline - loop.time())
+                await asyncio.wait(pending, timeout=max(timeout, 0), return_when=asyncio.FIRST_COMPLETED)
+                if await raw.is_disconnected():
+                    raise APIError(499, "client disconnected", "client_closed_request")
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        finally:
+            for w in waiters:
+                w.cancel()
 
     # ---- collect or stream ------------------------------------------------------------------------------
     async def collect(self, streams: list[RequestStream], raw: Request) -> list[Collected]:

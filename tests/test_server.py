@@ -20,7 +20,7 @@ from conftest import run_to_completion
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.async_engine import AdmissionLimits
-from server.app import ServerConfig, create_app
+from server.app import ServerConfig, create_app, uvicorn_config
 
 MODEL = "smollm2-test"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,8 +35,9 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_server(engine, limits: AdmissionLimits | None = None, **server_options):
     port = free_port()
-    app = create_app(lambda: engine, ServerConfig(MODEL, limits or AdmissionLimits(), **server_options))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    config = ServerConfig(MODEL, limits or AdmissionLimits(), port=port, log_level="warning", **server_options)
+    app = create_app(lambda: engine, config)
+    server = uvicorn.Server(uvicorn_config(app, config))  # the server `pagedserve serve` runs
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
