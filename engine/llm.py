@@ -37,8 +37,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None, **kwargs) -> None:
         if kwargs.get("max_step_ms") is None:
             # Every result comes back at the end, so no stream's inter-token time needs protecting: the
-            # server's default step-time target would only cost throughput (64 prose requests: ~15 % once
-            # the cost model is fitted). A number given here still applies.
+            # server's default step-time target would only cost throughput, once the cost model is fitted
+            # (figures: docs/performance.md). A number given here still applies.
             kwargs["max_step_ms"] = 0
         self.engine = engine or LLMEngine(make_config(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer

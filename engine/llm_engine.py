@@ -118,9 +118,10 @@ class LLMEngine:
             "%d bytes/token, %.2f GiB", model_path, self.model_config.architecture, self.dtype, self.device,
             time.perf_counter() - t0, self.runner.num_blocks, config.cache.block_size,
             self.runner.kv_capacity_tokens, self.runner.kv_bytes_per_token, self.runner.kv_cache_bytes() / 2**30)
-        # Everything built so far (model, tokenizer, ~8.5e5 objects) lives as long as the engine: frozen, the cyclic
-        # GC's full collections stop re-scanning it. Unfrozen, one took 333 ms here (frozen: 0.2 ms): a stall for every
-        # stream whenever a server's allocations trigger one. vLLM freezes its start-up heap the same way.
+        # Everything built so far (model, tokenizer and their many objects) lives as long as the engine:
+        # frozen, the cyclic GC's full collections stop re-scanning it. Unfrozen, each full collection re-scans the
+        # whole start-up heap: a stall for every stream whenever a server's allocations trigger one (figures:
+        # docs/performance.md). vLLM freezes its start-up heap the same way.
         gc.collect()
         gc.freeze()
         atexit.register(gc.unfreeze)  # let the interpreter's last collection see them (nanobind reports leaks)

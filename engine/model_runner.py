@@ -253,7 +253,8 @@ class HostBatch:
     def build(cls, input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
               tables: list[list[int]], block_size: int) -> HostBatch:
         # In Python lists, then one tensor each: at batch 1 the tensor-op version (repeat_interleave, gathers,
-        # cumsum) cost ~0.3 ms of a ~9 ms step; a 2,048-token prefill's slots take ~0.3 ms either way.
+        # cumsum) was slower, and a long prefill's slots take about as long either way (figures:
+        # docs/performance.md).
         width = max(len(t) for t in tables)
         slots, i = [], 0
         for table, n in zip(tables, query_lens):

@@ -29,8 +29,9 @@ from engine.step_cost import StepCostModel
 
 MIN_PREFILL_TOKENS = 32  # per step, whatever the time target: prompts always advance
 # ... and with the default target (twice the decodes' cost), at least this many: with few streams running,
-# twice their cost is a sliver of a step, and prompts arriving in a burst crawled in through it (measured:
-# time to first token doubled). 512 tokens is a GEMM-efficient chunk; on a 2-core Zen 4 it is ~0.4 s.
+# twice their cost is a sliver of a step, and prompts arriving in a burst crawled in through it (time to first
+# token rose steeply; benchmarks/serve_step_target.py, figures in docs/performance.md). 512 tokens is a
+# GEMM-efficient chunk (what one takes: docs/performance.md).
 DEFAULT_MIN_PREFILL_TOKENS = 512
 # A deadline's prefill estimate before the cost model has timed any prefill: a CPU's order of magnitude
 DEFAULT_PREFILL_MS_PER_TOKEN = 1.0

@@ -152,7 +152,7 @@ class _StepMasks:
 
     def blocked(self, vocab: int) -> torch.Tensor:
         """bool [rows, vocab], True where the grammar forbids the token; unpacked once per step (numpy's
-        unpackbits is ~10x faster than shifting int32 words in torch)."""
+        unpackbits is much faster than shifting int32 words in torch; docs/performance.md)."""
         if self._blocked is None:
             if self.future is not None:
                 self.future.result()
@@ -179,7 +179,7 @@ class StructuredOutputs:
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
-        """Built on first use (~0.3 s): engines that never constrain output never pay for it."""
+        """Built on first use, which is not free: engines that never constrain output never pay for it."""
         with self._lock:
             if self._ll_tokenizer is None:
                 if self.hf_tokenizer is None:

@@ -1,11 +1,11 @@
 // y = x W^T (+ b) for a few rows of x against a plain row-major weight of x's dtype: the decode GEMV.
 //
-// At batch 1 a step reads every weight once, so a linear costs its weight bytes. The library GEMVs stream
-// them far below the memory bandwidth on the 2-core machines we run on (Zen 4, torch 2.13, SmolLM2's
-// matrices streamed from memory): fp32 `F.linear` at M = 1 reached 7.7-13 GB/s and oneDNN's prepacked bf16
-// GEMV 15-21 GB/s, where one weight row at a time with four independent accumulators reached 20-35 GB/s
-// (fp32) and 27-43 GB/s (bf16, vdpbf16ps). Work is split over output rows; each block of BN rows serves up to
-// 8 activation rows per pass from L1/L2. Accumulation is fp32 in every dtype, rounded once per output.
+// At batch 1 a step reads every weight once, so a linear costs its weight bytes. The library GEMVs (fp32
+// `F.linear`, oneDNN's prepacked bf16 GEMV) stream decode-sized weights well below the memory bandwidth; one
+// weight row at a time with independent accumulators (vdpbf16ps for bf16) comes closer to it
+// (benchmarks/kernels/bench_dense_linear.py; figures in docs/performance.md). Work is split over output rows;
+// each block of BN rows serves up to 8 activation rows per pass from L1/L2. Accumulation is fp32 in every
+// dtype, rounded once per output.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -64,8 +64,8 @@ inline vec vload(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(rei
 
 // acc[m] = w . x[m] for one weight row and MR fp32 activation rows (each K long). With one accumulator the
 // FMA latency chain bound M = 1 to a fraction of the bandwidth: U independent ones, fewer as MR supplies its own.
-// (Tiles of 4 weight rows x MR were tried: 2x slower at M = 1-2, the four interleaved row streams defeating the
-// prefetcher that one row after another keeps busy.)
+// (Tiles of 4 weight rows x MR were slower at M = 1-2: the four interleaved row streams defeat the prefetcher
+// that one row after another keeps busy.)
 template <int MR, typename T>
 inline void dot_rows(const T* w, const float* x, int64_t K, float* acc) {
   int64_t k = 0;

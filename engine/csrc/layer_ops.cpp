@@ -30,9 +30,9 @@ inline float rnd(float x) {
 
 constexpr int64_t GRAIN = 16;  // rows per task: tiny batches stay on one thread (no fork/join cost)
 
-// fp32 sums in order, as it always did (the compiled step's fp32 logits are held to 1e-3 of these: a
-// vectorised order moved them 1.6e-3); bf16/fp16 as a vector reduction (the in-order loop kept the whole
-// bf16 norm scalar, 3x slower)
+// fp32 sums in order, as it always did (a vectorised order moved fp32 logits by more than the tests'
+// tolerance); bf16/fp16 as a vector reduction (in order, the compiler kept the whole bf16 norm scalar).
+// Figures: docs/performance.md.
 template <typename T>
 inline float sum_squares(const T* v, int64_t H) {
   float ss = 0.f;

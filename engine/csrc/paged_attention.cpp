@@ -255,9 +255,9 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
         const int64_t n = std::min(BS, hi - start);
         const int64_t base = table[start / BS] * cache_stride_block + h * D;
         // The blocks sit anywhere in the pool, so the hardware prefetcher cannot guess them: without this a
-        // B = 64 decode ran at a tenth of the memory bandwidth, waiting on each block in turn. In a pool of
-        // real size (the engine's, GBs) one block ahead into L1 left it 2.5x slower than a cache-resident one;
-        // six ahead into L2 (locality 1) measured best of 1-12 x L1/L2/L3 (B = 64, ~180 tokens, Zen 4).
+        // large decode waits on each block in turn, far below the memory bandwidth. In a pool of real size (the
+        // engine's, GBs) one block ahead into L1 was not enough; PREFETCH_BLOCKS ahead into L2 (locality 1) was
+        // the best of the distances and cache levels tried (figures: docs/performance.md).
         for (int64_t ahead = start == lo ? 1 : PREFETCH_BLOCKS; ahead <= PREFETCH_BLOCKS; ++ahead) {
           if (start + ahead * BS >= hi) break;
           const int64_t next_base = table[start / BS + ahead] * cache_stride_block + h * D;

@@ -2,10 +2,10 @@
 // weights: a GEMV for a few rows of x, a tiled GEMM for many.
 //
 // At decode a step reads every weight once, so the cost is the weight bytes: the GEMVs stream the weights once,
-// multiplying their integer codes by int8 codes of the activations, where torch's `_weight_int8pack_mm` reached
-// about half the memory bandwidth of a bf16 GEMV on the machines we measured (and is 5-10x slower still with fp32
-// activations). Both formats share one layout and one kernel (below); beyond 8 rows the caller dequantizes tiles
-// and runs a GEMM.
+// multiplying their integer codes by int8 codes of the activations, where torch's `_weight_int8pack_mm` stays
+// well below a bf16 GEMV's bandwidth (and slower still with fp32 activations; figures in docs/performance.md).
+// Both formats share one layout and one kernel (below); beyond the dispatch table's quant_gemv_max_rows the
+// caller dequantizes tiles and runs a GEMM.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -29,9 +29,8 @@
 
 namespace {
 
-// dequantized tile for the many-row GEMM: one GEMM call per tile. Sapphire Rapids, bf16, 3072x576: at M = 2048 one
-// 16 MiB tile (the whole matrix) took 2.6 ms, 2 MiB tiles 4.7 ms (bf16 F.linear: 2.3-2.5 ms); at M = 64-512 it
-// was 5-15 % faster too, 512 KiB and smaller tiles 1.3-2x slower (each GEMM call has a fixed cost)
+// dequantized tile for the many-row GEMM: one GEMM call per tile, and each GEMM call has a fixed cost, so a tile
+// holds most projections whole (smaller tiles were slower at every M measured; figures in docs/performance.md)
 constexpr int64_t TILE_KIB = 16384;
 
 using pagedserve::narrow;
@@ -44,9 +43,9 @@ using pagedserve::widen;
 // 64 bytes, row r's 4 bytes at 4r: int4 steps are 8 codes (byte i: code 8q + i in its low nibble, 8q + 4 + i
 // in its high one), int8 steps 4 codes (byte i: code 4q + i). Scale and bias are [N / 16, G, 16]. So one 64-byte
 // load feeds 16 rows at once, each int32 lane one row: no horizontal sums, no per-row setup, and a group's 16
-// scales are one load. Row by row (the earlier layouts) the GEMVs were compute-bound: int4 at ~10 GB/s per core
-// on Zen 4, 1.5-2x slower than in panels; int8 (int16 activation codes) ~2x slower than int4 per weight byte on
-// Sapphire Rapids, and 3x slower at M = 8 than at M = 1.
+// scales are one load. Row by row (the earlier layouts) the GEMVs were compute-bound, below the memory's speed,
+// and int8 on int16 activation codes slower than int4 per weight byte, the more so at several rows
+// (figures: docs/performance.md).
 // The activations are int8 codes with a scale per 32 values (llama.cpp's Q8_0: relative error <= 1/254 of the
 // block's absmax, ~0.5 % of a product), so one u8 x s8 vpdpbusd does 64 multiply-adds. int4 codes are u8 as
 // they are; int8 codes go in as c + 128, and 128 * sum(x) comes off with the bias term (below). The bias term
@@ -477,7 +476,8 @@ void dequant_rows(const uint8_t* codes, const S* scale, const S* bias, int64_t K
 
 // out = x @ W^T, one tile of W's rows at a time: each dequantized tile's product goes straight into its columns of
 // out (a strided destination oneDNN writes in place). The earlier transposed form (out^T = tile @ x^T, then a
-// transpose back) was as fast at M = 64 but its transpose made prefill-sized M 3-6x slower than a bf16 GEMM.
+// transpose back) was as fast at M = 64, but its transpose made prefill-sized M far slower than a bf16 GEMM
+// (figures: docs/performance.md).
 template <int BITS>
 at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                       const std::optional<at::Tensor>& bias) {
