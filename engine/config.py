@@ -173,8 +173,11 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = opt(None, "GGUF file, Hugging Face model directory, or random:<shape> "
-                                  "(default: the bundled SmolLM2-135M-Instruct)")
+    model: str | None = opt(None, "a .gguf file, a Hugging Face model directory, a Hugging Face repo id (ORG/NAME, or "
+                                  "ORG/NAME:QUANT for a GGUF repo), or random:<shape> (default: the bundled "
+                                  "SmolLM2-135M-Instruct)")
+    revision: str | None = opt(None, "the repo's branch, tag or commit, for a Hugging Face repo id")
+    gguf_file: str | None = opt(None, "which .gguf file of a repo or directory holding several")
     tokenizer: str | None = opt(None, "tokenizer path (default: the model's own)")
     dtype: str = opt("auto", "auto (bf16 where it is fast, else fp32), float32, bfloat16, float16")
     device: str = opt("auto", "auto, cpu, cuda")

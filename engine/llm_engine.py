@@ -15,12 +15,13 @@ import torch
 
 from engine import allocator
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, bundled_model_path, make_config, resolve_dtype
+from engine.config import EngineConfig, make_config, resolve_dtype
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.layers.dispatch import kernel_table
 from engine.model_runner import ModelRunner, StepInput
 from engine.models.llama import LlamaModel
 from engine.models.loader import build_model, load_config
+from engine.models.resolver import resolve_model
 from engine.output_processor import OutputProcessor, RequestOutput, RequestState
 from engine.quant.loading import QuantSpec
 from engine.sampler import SampleRequest
@@ -59,7 +60,7 @@ class LLMEngine:
                  tokenizer=None, **kwargs) -> None:
         """`model` / `tokenizer` may be passed pre-built (tests and benchmarks share one load)."""
         config = config or make_config(**kwargs)
-        model_path = config.model or bundled_model_path()
+        model_path = resolve_model(config.model, config.revision, config.gguf_file).path
         allocator.tune()  # before the weights are allocated
         self.config = config
         self.model_path = model_path

@@ -43,6 +43,7 @@ class ServerState:
         self.config = config
         self.engine: AsyncEngine | None = None
         self.load_error: BaseException | None = None
+        self.on_load_error: Callable[[], None] | None = None  # `pagedserve serve` stops the server
         self.metrics = Metrics(config.served_model_name, self.stats)
 
     def stats(self) -> EngineStats | None:
@@ -78,6 +79,8 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
             except BaseException as e:  # noqa: BLE001 - reported through /health
                 logger.exception("model failed to load")
                 state.load_error = e
+                if state.on_load_error is not None:
+                    state.on_load_error()
                 return
             aeng = AsyncEngine(engine, config.limits, on_outputs=state.metrics.observe)
             aeng.start(loop)

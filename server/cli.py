@@ -51,25 +51,44 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from engine.async_engine import AdmissionLimits
+    from engine.errors import ModelLoadError
     from engine.llm_engine import LLMEngine
+    from engine.models.loader import load_config
+    from engine.models.resolver import resolve_model
     from server.app import create_app, uvicorn_config
     from server.config import ServerConfig
 
     config = _engine_config(args)
     server = ServerConfig(**options(args, ServerConfig), limits=AdmissionLimits(**options(args, AdmissionLimits)))
-    if server.served_model_name is None:
-        server = dataclasses.replace(server, served_model_name=_default_name(args.model))
     if server.api_key is None and os.environ.get("PAGEDSERVE_API_KEY"):  # keeps the key out of `ps`
         server = dataclasses.replace(server, api_key=os.environ["PAGEDSERVE_API_KEY"])
     if not server.api_keys() and not _is_loopback(server.host) and not server.allow_insecure_no_auth:
-        sys.exit(f"pagedserve: refusing to serve on {server.host} without an API key: anyone who can reach it "
-                 "could use the model and read the metrics. Set --api-key (or PAGEDSERVE_API_KEY), or pass "
-                 "--allow-insecure-no-auth if the network is trusted.")
+        _fail(f"refusing to serve on {server.host} without an API key: anyone who can reach it could use the model "
+              "and read the metrics. Set --api-key (or PAGEDSERVE_API_KEY), or pass --allow-insecure-no-auth if the "
+              "network is trusted")
+    try:  # before the port is bound: a model that cannot load ends the process here, with one line
+        files = resolve_model(config.model, config.revision, config.gguf_file)
+        load_config(files.path)
+    except (ModelLoadError, FileNotFoundError) as e:
+        _fail(str(e))
+    config = dataclasses.replace(config, model=files.path)
+    if server.served_model_name is None:
+        server = dataclasses.replace(server, served_model_name=files.name)
     app = create_app(lambda: LLMEngine(config), server)
     _raise_open_files_limit()  # the connection cap, not the file limit, should decide who is refused
     print(f"pagedserve: serving {server.served_model_name!r} on http://{server.host}:{server.port}/v1 "
           f"({'API key required' if server.api_keys() else 'no auth'}; loading the model...)", flush=True)
-    uvicorn.Server(uvicorn_config(app, server)).run()
+    uv = uvicorn.Server(uvicorn_config(app, server))
+    app.state.pagedserve.on_load_error = lambda: setattr(uv, "should_exit", True)
+    uv.run()
+    if app.state.pagedserve.load_error is not None:  # never a server that answers 503 for ever
+        e = app.state.pagedserve.load_error
+        _fail(f"the model failed to load: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+def _fail(message: str) -> typing.NoReturn:
+    print(f"pagedserve: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 def _raise_open_files_limit() -> None:
@@ -92,13 +111,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # a host name: it may resolve to anything
-
-
-def _default_name(model: str | None) -> str:
-    if model is None:
-        return "SmolLM2-135M-Instruct"
-    base = os.path.basename(model.rstrip("/"))
-    return base.removesuffix(".gguf")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

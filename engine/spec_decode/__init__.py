@@ -20,12 +20,7 @@ def build_speculator(config: EngineConfig, target: ModelConfig, num_blocks: int,
     if config.speculative_method == "ngram":
         proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     else:
-        import dataclasses
-
-        from engine.config import bundled_model_path
         from engine.spec_decode.draft_model import DraftModelProposer
 
-        if config.draft_model is None:  # self-draft: the target in another dtype / quantization
-            config = dataclasses.replace(config, draft_model=config.model or bundled_model_path())
         proposer = DraftModelProposer(config, target.vocab_size, num_blocks, max_len, device)
     return Speculator(proposer, config.num_speculative_tokens, cost)

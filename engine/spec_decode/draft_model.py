@@ -17,6 +17,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, resolve_dtype
 from engine.model_runner import ModelRunner, StepInput
 from engine.models.loader import build_model, load_config
+from engine.models.resolver import resolve_model
 from engine.quant.loading import QuantSpec
 from engine.sampler import SampleRequest
 from engine.sampling_params import SamplingParams
@@ -36,7 +37,8 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, config: EngineConfig, target_vocab: int, num_blocks: int, max_len: int,
                  device: torch.device) -> None:
-        path = config.draft_model
+        # without a draft model: the target itself (another dtype or quantization, the chapter's self-draft)
+        path = resolve_model(config.draft_model or config.model, config.revision, config.gguf_file).path
         cfg = load_config(path)
         if cfg.vocab_size != target_vocab:
             raise ValueError(f"draft model {path} has a vocabulary of {cfg.vocab_size} tokens, the target "

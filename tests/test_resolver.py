@@ -1,0 +1,147 @@
+"""From the name a user gives to the model's files: local paths, a Hugging Face cache laid out by hand (offline,
+HF_HUB_OFFLINE=1, nothing mocked), and the server started by repo id, driven by the official openai client."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.errors import ModelLoadError
+from engine.models.resolver import resolve_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def hub_repo(hf_home: Path, repo: str, files: dict[str, Path | bytes], commit: str = "0" * 40) -> Path:
+    """A repo in the Hugging Face cache's own layout: refs/main -> snapshots/<commit>/<files>."""
+    root = hf_home / "hub" / f"models--{repo.replace('/', '--')}"
+    snap = root / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(commit)
+    for name, content in files.items():
+        if isinstance(content, Path):
+            shutil.copy(content, snap / name)
+        else:
+            (snap / name).write_bytes(content)
+    return snap
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    home = tmp_path / "hf"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(home / "hub"))
+    return home
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory, smollm):
+    """A tiny random Llama with the bundled model's tokenizer (and chat template): config, safetensors, tokenizer."""
+    import torch
+    import transformers
+
+    path = tmp_path_factory.mktemp("tiny-hf")
+    cfg = transformers.LlamaConfig(vocab_size=smollm.config.vocab_size, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    smollm.tokenizer.save_pretrained(path)
+    return path
+
+
+def test_local_paths(tmp_path, smollm):
+    bundled = resolve_model(None)
+    assert bundled.path == smollm.path and bundled.name == "SmolLM2-135M-Instruct"
+    assert resolve_model(smollm.path).path == smollm.path
+    assert resolve_model("random:tiny").path == "random:tiny"
+    folder = tmp_path / "ggufs"
+    folder.mkdir()
+    (folder / "m-Q4_K_M.gguf").write_bytes(b"")
+    assert resolve_model(str(folder)).path == str(folder / "m-Q4_K_M.gguf")  # the only one
+    (folder / "m-Q8_0.gguf").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="several .gguf files.*m-Q4_K_M.gguf, m-Q8_0.gguf"):
+        resolve_model(str(folder))
+    assert resolve_model(str(folder), gguf_file="m-Q8_0.gguf").path == str(folder / "m-Q8_0.gguf")
+    with pytest.raises(ModelLoadError, match="no such file or directory"):
+        resolve_model(str(tmp_path / "missing.gguf"))
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="not a .gguf file"):
+        resolve_model(str(tmp_path / "weights.bin"))
+
+
+def test_repo_ids_from_a_laid_out_cache(offline_hub, tiny_hf_dir, smollm):
+    snap = hub_repo(offline_hub, "org/tiny", {p.name: p for p in tiny_hf_dir.iterdir()})
+    got = resolve_model("org/tiny")
+    assert Path(got.path) == snap and got.name == "org/tiny"
+    gguf = hub_repo(offline_hub, "org/tiny-GGUF", {"tiny-Q4_1.gguf": Path(smollm.path),
+                                                   "tiny-Q8_0.gguf": b"", "tiny-Q4_K_M.gguf": b""})
+    assert resolve_model("org/tiny-GGUF:Q4_1").path == str(gguf / "tiny-Q4_1.gguf")
+    assert resolve_model("org/tiny-GGUF:q8_0").path == str(gguf / "tiny-Q8_0.gguf")  # tags match in any case
+    with pytest.raises(ModelLoadError, match="no file tagged 'Q6_K'"):
+        resolve_model("org/tiny-GGUF:Q6_K")
+    with pytest.raises(ModelLoadError, match="ORG/NAME:QUANT"):
+        resolve_model("org/tiny-GGUF")  # no config.json: a GGUF repo needs its tag
+    with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE"):
+        resolve_model("org/absent")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_by_repo_id_offline_through_the_openai_client(tmp_path, tiny_hf_dir):
+    import openai
+
+    home = tmp_path / "hf"
+    hub_repo(home, "org/tiny-chat", {p.name: p for p in tiny_hf_dir.iterdir()})
+    port = _free_port()
+    env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", "org/tiny-chat", "--port",
+                               str(port), "--dtype", "float32", "--num-blocks", "64", "--log-level", "warning"],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert server.poll() is None, server.stdout.read()
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        assert [m.id for m in client.models.list().data] == ["org/tiny-chat"]
+        reply = client.chat.completions.create(model="org/tiny-chat", max_tokens=5, temperature=0,
+                                               messages=[{"role": "user", "content": "Hi!"}])
+        assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens >= 1
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_a_model_that_cannot_load_ends_serve_before_the_port_is_bound(tmp_path):
+    """Exit 1 with one line on stderr, and nothing ever listened on the port."""
+    port = _free_port()
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    for model in ("nonexistent/repo", str(tmp_path / "missing.gguf")):
+        out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port)],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("pagedserve: error:"), out.stderr
+        with socket.socket() as s:  # the port is still free: it was never bound
+            s.bind(("127.0.0.1", port))
