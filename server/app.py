@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.resources
 import logging
 import threading
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -23,7 +29,10 @@ from server.guards import ApiKeyAuth, BodyLimit
 from server.metrics import Metrics
 from server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     error_body,
@@ -34,6 +43,46 @@ from server.serving import ENGINE_DEAD, APIError, ChatEndpoint, CompletionEndpoi
 logger = logging.getLogger(__name__)
 
 __all__ = ["ServerConfig", "create_app", "uvicorn_config"]
+
+# The status codes each route answers with, as the OpenAPI document states them (every one in OpenAI's error shape)
+ERRORS = {
+    400: "Invalid request: the error's `param` names the field (also a prompt over the context length)",
+    401: "Missing or wrong API key (when the server has keys)",
+    404: "Unknown model",
+    408: "The request body did not arrive within --body-timeout-s",
+    413: "The request body is larger than --max-body-bytes",
+    429: "Overloaded: retry after Retry-After seconds (also in retry-after-ms)",
+    503: "The model is loading (Retry-After), or the engine died",
+}
+_RETRY_AFTER = {"Retry-After": {"description": "whole seconds to wait before retrying", "schema": {"type": "integer"}},
+                "retry-after-ms": {"description": "the same, in milliseconds", "schema": {"type": "integer"}}}
+
+
+def _errors(*codes: int) -> dict[int, dict[str, Any]]:
+    return {c: {"model": ErrorResponse, "description": ERRORS[c], **({"headers": _RETRY_AFTER} if c == 429 else {})}
+            for c in codes}
+
+
+def _generation(model: type[BaseModel]) -> dict[int, dict[str, Any]]:
+    return {200: {"description": f"A {model.__name__}; with `stream: true`, server-sent events (`data: <chunk "
+                                 "JSON>`, then `data: [DONE]`)",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            **_errors(400, 401, 404, 408, 413, 429, 503)}
+
+
+class Health(BaseModel):
+    status: str = "ok"
+
+
+def openapi_document(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document without the 422 it adds to routes with a body: validation errors here are 400s."""
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    for path in doc.get("paths", {}).values():
+        for op in path.values():
+            op.get("responses", {}).pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        doc.get("components", {}).get("schemas", {}).pop(name, None)
+    return doc
 
 
 class ServerState:
@@ -92,8 +141,11 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
         if state.engine is not None:
             state.engine.shutdown()
 
-    app = FastAPI(title="pagedserve", lifespan=lifespan)
+    app = FastAPI(title="pagedserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None, description="An OpenAI-compatible LLM server: /v1/chat/completions, "
+                  "/v1/completions, /v1/models; /health, /metrics.")
     app.state.pagedserve = state
+    document = None
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
     app.add_middleware(ApiKeyAuth, keys=config.api_keys())  # outermost: no body is read for a bad key
 
@@ -131,28 +183,48 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
         return JSONResponse(error_body("internal server error", "internal_server_error", code="internal_error"), 500)
 
     # ---- routes ------------------------------------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", response_model=Health, responses=_errors(503))
     async def health():
+        """200 once the model is loaded and the engine loop runs; never behind the API key."""
         state.ready_engine()
-        return {"status": "ok"}
+        return Health()
 
-    @app.get("/v1/models")
-    async def models() -> ModelList:
+    @app.get("/v1/models", response_model=ModelList, responses=_errors(401, 503))
+    async def models():
         engine = state.ready_engine().engine
         name = config.served_model_name
         return ModelList(data=[ModelCard(id=name, created=now(), root=name, max_model_len=engine.max_model_len)])
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text format, under vLLM's metric names",
+              "content": {"text/plain": {"schema": {"type": "string"}}}}, **_errors(401)})
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=_generation(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return _respond(await serving.generate(ChatEndpoint, body, raw))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_generation(CompletionResponse))
     async def completions(body: CompletionRequest, raw: Request):
         return _respond(await serving.generate(CompletionEndpoint, body, raw))
+
+    # ---- the API's own documents, served from the package (no CDN), behind the API key when there is one ----
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi():
+        nonlocal document
+        document = document or openapi_document(app)
+        return JSONResponse(document)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="pagedserve API",
+                                   swagger_js_url="/docs/assets/swagger-ui-bundle.js",
+                                   swagger_css_url="/docs/assets/swagger-ui.css",
+                                   swagger_favicon_url="/docs/assets/favicon.png")
+
+    app.mount("/docs/assets", StaticFiles(directory=str(importlib.resources.files("fastapi_offline") / "static")))
 
     return app
 

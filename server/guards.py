@@ -20,6 +20,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 TENANT_KEY = "pagedserve.tenant"  # scope["state"][TENANT_KEY]: an id of the API key that authenticated
+PROTECTED = ("/v1/", "/metrics", "/docs", "/openapi.json")  # everything but /health needs a key, when keys are set
 
 
 async def send_error(send: Send, status: int, message: str, type_: str, code: str | None = None,
@@ -37,7 +38,7 @@ def key_id(key: str) -> str:
 
 
 class ApiKeyAuth:
-    """OpenAI bearer auth for /v1/* and /metrics (/health stays open for load balancers).
+    """OpenAI bearer auth for the API, /metrics and the API's documents (/health stays open for load balancers).
 
     Every configured key is compared in constant time, so the time to refuse says nothing about a key.
     """
@@ -55,7 +56,7 @@ class ApiKeyAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not self.keys or not (path.startswith("/v1/") or path == "/metrics"):
+        if scope["type"] != "http" or not self.keys or not path.startswith(PROTECTED):
             return await self.app(scope, receive, send)
         auth = dict(scope.get("headers") or []).get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")

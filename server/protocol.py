@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+TokenId = Annotated[int, Field(ge=0)]  # and below the vocabulary's size, which the engine checks (400)
+Text = Annotated[str, Field(min_length=1)]
 
 # OpenAI request fields that change what a response means but that pagedserve does not implement. Each is
 # refused with a 400 naming it, unless its value is inert (the predicate on the value and the whole body).
@@ -57,7 +60,7 @@ class _Request(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)  # extension
     n: int = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
+    stop_token_ids: list[TokenId] | None = None  # extension
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -89,7 +92,7 @@ class _Request(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None  # extension (vLLM)
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)  # extension (vLLM)
 
     @field_validator("stop")
     @classmethod
@@ -170,7 +173,8 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[Text], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
 

@@ -495,6 +495,8 @@ class CompletionEndpoint(Endpoint):
             total += len(ids)
             jobs += [(ids, self.params(max_tokens, b.logprobs, i, salt, spec, prompt_logprobs=score_prompt))
                      for i in range(b.n)]
+        for ids, params in jobs[::b.n]:  # token ids in range before they are decoded for the echo
+            engine.validate(ids, params)
         echo = [(p if isinstance(p, str) else self.text(p)) if b.echo else "" for p in self.prompts for _ in range(b.n)]
         return Built(jobs, total, prompt_groups=len(self.prompts), echo=echo)
 

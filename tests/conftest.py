@@ -44,6 +44,21 @@ def smollm() -> Bundled:
 
 
 @pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory, smollm):
+    """A tiny random Llama with the bundled model's tokenizer (and chat template): config, safetensors, tokenizer."""
+    import transformers
+
+    path = tmp_path_factory.mktemp("tiny-hf")
+    cfg = transformers.LlamaConfig(vocab_size=smollm.config.vocab_size, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    smollm.tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def make_engine(smollm):
     """Build an fp32 CPU engine over the shared SmolLM2 weights: make_engine(num_blocks=..., ...)."""
 

@@ -47,22 +47,6 @@ def offline_hub(tmp_path, monkeypatch):
     return home
 
 
-@pytest.fixture(scope="module")
-def tiny_hf_dir(tmp_path_factory, smollm):
-    """A tiny random Llama with the bundled model's tokenizer (and chat template): config, safetensors, tokenizer."""
-    import torch
-    import transformers
-
-    path = tmp_path_factory.mktemp("tiny-hf")
-    cfg = transformers.LlamaConfig(vocab_size=smollm.config.vocab_size, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=512, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    smollm.tokenizer.save_pretrained(path)
-    return path
-
-
 def test_local_paths(tmp_path, smollm):
     bundled = resolve_model(None)
     assert bundled.path == smollm.path and bundled.name == "SmolLM2-135M-Instruct"
