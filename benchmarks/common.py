@@ -1,32 +1,38 @@
-"""What every benchmark shares: its argument parser, the machine header, timing, interleaved rounds, the JSON
-record, and A/B runs against another commit (`--baseline-ref GIT_REF`).
+"""What every benchmark shares: its argument parser, the machine header, timing, interleaved rounds, tables, the
+JSON record, and A/B runs against another commit (`--baseline-ref GIT_REF`).
 
-An A/B run builds a git worktree of the other commit (reused across runs) and runs a worker there in its own
-process, with PYTHONPATH pointing at that tree, so `import engine` is that commit's engine and its C++ kernels
-are built from its own sources.
+Scripts run as `python benchmarks/x.py` or `python -m benchmarks.x` with the package importable (installed, or
+PYTHONPATH=the repository). An A/B run builds a git worktree of the other commit (reused across runs) and runs a
+worker there in its own process, with PYTHONPATH pointing at that tree, so `import engine` is that commit's engine
+and its C++ kernels are built from its own sources. A worker may only use what both commits offer: the public API
+(`from engine import LLM, SamplingParams`, `LLM(dtype=..., quantization=...)`, `.generate`, the results'
+`.token_ids` and `.metrics`) or the `pagedserve serve` command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def parser(doc: str | None, *, rounds: int = 3, baseline: bool = True) -> argparse.ArgumentParser:
-    """The options every benchmark takes: --json, --rounds and (A/B scripts) --baseline-ref."""
+def parser(doc: str | None, *, rounds: int | None = 3, baseline: bool = True) -> argparse.ArgumentParser:
+    """The options every benchmark takes: --json, --rounds (rounds=None: the script has none) and, for scripts
+    that compare commits, --baseline-ref."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
-    ap.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds; medians are reported")
+    if rounds is not None:
+        ap.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds; medians are reported")
     if baseline:
         ap.add_argument("--baseline-ref", action="append", default=[], metavar="GIT_REF",
                         help="also run this commit (a git worktree of it), interleaved with this tree (repeatable)")
@@ -43,15 +49,41 @@ def machine_header() -> str:
     return f"machine: {cpu().describe()} | torch {torch.__version__}, {torch.get_num_threads()} threads | load {load}"
 
 
-def median_ms(fn: Callable[[], Any], reps: int = 7, warmup: int = 2) -> float:
+# ---- timing -----------------------------------------------------------------------------------------------
+def _sync(device) -> None:
+    if device is not None and device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device=None) -> float:
+    """Seconds one call takes (a CUDA device is synchronized before and after)."""
+    _sync(device)
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t
+
+
+def times_ms(fn: Callable[[], Any], reps: int = 7, warmup: int = 2, *, device=None, min_s: float = 0.0) -> list[float]:
+    """ms per call of `reps` timed repetitions after `warmup` untimed calls. With `min_s`, each repetition calls
+    `fn` as often as it takes to last that long (so microsecond ops do not measure the timer) and is divided."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    calls = 1
+    while min_s and timed(lambda n=calls: [fn() for _ in range(n)], device) < min_s:
+        calls *= 2
+    return [timed(lambda: [fn() for _ in range(calls)], device) / calls * 1e3 for _ in range(reps)]
+
+
+def median_ms(fn: Callable[[], Any], reps: int = 7, warmup: int = 2, device=None) -> float:
+    """Median ms per call. On a CUDA device: triton's do_bench (CUDA events, L2 flushed between calls)."""
+    if device is not None and device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    return statistics.median(times_ms(fn, reps, warmup, device=device))
 
 
 def interleaved(rounds: int, contestants: dict[str, Callable[[], dict]], log=print) -> dict[str, list[dict]]:
@@ -62,7 +94,8 @@ def interleaved(rounds: int, contestants: dict[str, Callable[[], dict]], log=pri
             result = run()
             out[name].append(result)
             log(f"  round {r + 1}/{rounds} {name}: " + ", ".join(
-                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()), flush=True)
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()
+                if not isinstance(v, (dict, list))), flush=True)
     return out
 
 
@@ -72,12 +105,68 @@ def medians(results: list[dict]) -> dict:
             results[0][k] for k in results[0]}
 
 
+def copy_bandwidth(device, nbytes: int) -> float:
+    """Bytes/s of a copy of an nbytes tensor on `device` (read + write counted): the roof of a memory-bound kernel."""
+    import torch
+
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (median_ms(lambda: dst.copy_(src), reps=5, warmup=1, device=device) * 1e-3)
+
+
+# ---- output -----------------------------------------------------------------------------------------------
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str | None = None) -> str:
+    """Print a right-aligned table under its title and the machine header; return its text."""
+    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else f"{c}" for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ([title] if title else []) + [machine_header()]
+    lines.append("  ".join(h.rjust(w) for h, w in zip(cells[0], widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells[1:]]
+    text = "\n".join(lines)
+    print("\n" + text, flush=True)
+    return text
+
+
+def ratio(x: float | None, base: float | None) -> str:
+    """`x / base` as "1.23x" ("-" where either is missing)."""
+    return "-" if x is None or not base else f"{x / base:.2f}x"
+
+
+def json_safe(x: Any) -> Any:
+    """inf and nan -> strings, so the file is strict JSON (rates are often infinite)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
+SECRET_OPTIONS = ("--api-key",)
+
+
+def command_line() -> str:
+    """This process's command line, with the values of secret options replaced by ***."""
+    out, hide = [], False
+    for arg in sys.argv:
+        out.append("***" if hide else next((f"{o}=***" for o in SECRET_OPTIONS if arg.startswith(o + "=")), arg))
+        hide = arg in SECRET_OPTIONS
+    return " ".join(out)
+
+
 def write_json(path: str | None, payload: dict) -> None:
+    """The results with the machine, the commit (None outside a git checkout) and the command line."""
     if not path:
         return
-    record = {"machine": machine_header(), "commit": commit_of("HEAD"), "command": " ".join(sys.argv), **payload}
+    try:
+        commit = commit_of("HEAD")
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    record = {"machine": machine_header(), "commit": commit, "command": command_line(), **payload}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(record, indent=1, default=str))
+    Path(path).write_text(json.dumps(json_safe(record), indent=1, default=str, allow_nan=False))
 
 
 # ---- A/B against another commit ---------------------------------------------------------------------------
@@ -97,12 +186,13 @@ def worktree(ref: str) -> Path:
 
 
 def run_worker(tree: Path | None, code: str, *args: str, env: dict[str, str] | None = None,
-               timeout: float = 3600) -> dict:
-    """Run `code` (a Python program printing one JSON line last) with `tree`'s engine (None: this one)."""
+               timeout: float = 3600, input: str | None = None) -> dict:
+    """Run `code` (a Python program printing one JSON line last) with `tree`'s engine (None: this one); `input`
+    is its stdin (for what is too long for a command line)."""
     tree = tree or REPO
     environ = dict(os.environ, PYTHONPATH=str(tree), **(env or {}))
     out = subprocess.run([sys.executable, "-c", code, *args], cwd=tree, env=environ, capture_output=True, text=True,
-                         timeout=timeout)
+                         timeout=timeout, input=input)
     if out.returncode != 0:
         raise RuntimeError(f"worker in {tree} failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

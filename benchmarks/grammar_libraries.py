@@ -4,24 +4,20 @@ Each library walks the same schema by sampling uniformly among the tokens its ma
 every step is a real mask computation. llguidance is a dependency; xgrammar and outlines-core are
 measured only when importable (e.g. `pip install --target /tmp/xg xgrammar` and PYTHONPATH=/tmp/xg).
 
-    python benchmarks/grammar_libraries.py [--steps 150]
+    python benchmarks/grammar_libraries.py [--steps 150] [--json out.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.config import bundled_model_path  # noqa: E402
-from engine.tokenizer import load_tokenizer  # noqa: E402
+from benchmarks import common
+from engine.config import bundled_model_path
+from engine.tokenizer import load_tokenizer
 
 S = {"type": "string", "maxLength": 20}
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "email", "tags", "address"],
@@ -40,9 +36,7 @@ def allowed(mask: torch.Tensor, vocab: int) -> list[int]:
 def walk(fill, mask, vocab, consume, done, steps: int) -> tuple[float, int]:
     rng, n, spent = random.Random(0), 0, 0.0
     while n < steps and not done():
-        t = time.perf_counter()
-        fill()
-        spent += time.perf_counter() - t
+        spent += common.timed(fill)
         ok = allowed(mask, vocab)
         if not ok:
             break
@@ -52,7 +46,7 @@ def walk(fill, mask, vocab, consume, done, steps: int) -> tuple[float, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__, rounds=None, baseline=False)
     ap.add_argument("--steps", type=int, default=150)
     args = ap.parse_args(argv)
     tok = load_tokenizer(bundled_model_path())
@@ -107,11 +101,11 @@ def main(argv: list[str] | None = None) -> None:
                      guide.is_finished, args.steps)
         rows.append(("outlines-core", t1 - t0, t2 - t1, us, n))
 
-    print(f"\nJSON schema (nested object, enum array, patterns, bounded integer); vocab {vocab}; load "
-          f"{os.getloadavg()[0]:.2f}")
-    print(f"{'library':<22}{'tokenizer ms':>14}{'compile ms':>12}{'mask us/token':>15}{'tokens':>8}")
-    for name, tk, comp, us, n in rows:
-        print(f"{name:<22}{tk * 1e3:>14.0f}{comp * 1e3:>12.1f}{us:>15.1f}{n:>8}")
+    common.table(["library", "tokenizer ms", "compile ms", "mask us/token", "tokens"],
+                 [[name, f"{tk * 1e3:.0f}", f"{comp * 1e3:.1f}", f"{us:.1f}", n] for name, tk, comp, us, n in rows],
+                 f"JSON schema (nested object, enum array, patterns, bounded integer); vocab {vocab}")
+    common.write_json(args.json, {"rows": [dict(zip(("library", "tokenizer_s", "compile_s", "mask_us_per_token",
+                                                     "tokens"), row)) for row in rows]})
 
 
 if __name__ == "__main__":

@@ -29,11 +29,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks import workloads  # noqa: E402
-from benchmarks.metrics import (  # noqa: E402
+from benchmarks import common, workloads
+from benchmarks.metrics import (
     SLO_KEYS,
     RequestRecord,
     best_point,
@@ -100,10 +97,9 @@ def _slo(item: str) -> tuple[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pagedserve bench",
-        description="Load-test an OpenAI-compatible server "
-                    "(pagedserve, vLLM, llama.cpp llama-server, transformers serve).")
+    p = common.parser("Load-test an OpenAI-compatible server (pagedserve, vLLM, llama.cpp llama-server, "
+                      "transformers serve).", rounds=None, baseline=False)
+    p.prog = "pagedserve bench"
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
     p.add_argument("--allow-remote", action="store_true", help="allow a base URL that is not loopback")
     p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="chat",
@@ -150,7 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--goodput", nargs="+", type=_slo, default=None, metavar="KEY:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (keys ttft, tpot, e2el; ms)")
-    o.add_argument("--json", default=None, metavar="PATH", help="write every metric + per-request records")
     o.add_argument("--plot", default=None, metavar="PATH", help="PNG of latency percentiles vs throughput")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -482,17 +477,6 @@ KNEE_RULE = ("last point before p99 TTFT or p99 TPOT grows >2x (and >1 ms) from 
              "next, or before a point with no successful request; the last point if there is no such jump")
 
 
-def _json_safe(x: Any) -> Any:
-    """inf -> "inf" so the file is strict JSON (rates are often infinite)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
-
-
 def _fmt_ms(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1f}"
 
@@ -595,30 +579,27 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if math.isfinite(rate):
                 header.append(("Burstiness (gamma shape)", args.burstiness))
             header.append(("Maximum request concurrency", conc if conc else "unlimited"))
-            print(format_table(m, header), flush=True)
+            print(common.machine_header() + "\n" + format_table(m, header), flush=True)
             points.append({"request_rate": rate, "burstiness": args.burstiness, "max_concurrency": conc, **m,
                            "requests": [r.to_dict() for r in records]})
 
-    common = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "base_url": base,
-              "endpoint": url, "model": model, "workload": desc,
-              "config": {**vars(args), "api_key": "***" if args.api_key else None}}  # never write secrets
+    info = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "base_url": base,
+            "endpoint": url, "model": model, "workload": desc,
+            "config": {**vars(args), "api_key": "***" if args.api_key else None}}  # never write secrets
     knee = None
     if param is None:
-        result = {**common, **points[0]}
+        result = {**info, **points[0]}
     else:
         knee, best = find_knee(points), best_point(points)
         print(format_sweep(points, param, knee, best), flush=True)
         by = "request_goodput" if slos else "output_throughput"
-        result = {**common, "sweep": {"param": param, "values": [p[param] for p in points]}, "points": points,
+        result = {**info, "sweep": {"param": param, "values": [p[param] for p in points]}, "points": points,
                   "knee": {"index": knee, "value": points[knee][param], "rule": KNEE_RULE},
                   "best": {"index": best, "value": points[best][param], "by": by}}
-    for path in (args.json, args.plot):
-        if path and os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(_json_safe(result), f, indent=1, allow_nan=False)
+    common.write_json(args.json, result)  # infinite rates written as "inf": strict JSON
     if args.plot:
+        if os.path.dirname(args.plot):
+            os.makedirs(os.path.dirname(args.plot), exist_ok=True)
         plot_points(points, param or "max_concurrency", args.plot, f"{model} — {desc}", knee)
     return result
 

@@ -1,121 +1,141 @@
-"""What the HTTP layer costs: the same workload through the server (streaming) and the offline engine.
+"""HTTP serving vs the offline engine, this tree vs other commits (--baseline-ref), and the step-time target curve.
 
-Starts the server in-process (uvicorn on 127.0.0.1), runs `pagedserve bench` against it from a separate
-process (a client in the server's process would compete for its GIL) with the prose workload (64
-requests, all at once, /v1/completions so prompts are identical to the offline run), then runs the same
-requests through `LLM.generate` on the same engine, and prints both and the ratio. Client and server
-share this machine's cores, so the HTTP figure includes the client's own CPU use.
+The same prose workload (64 requests at once, /v1/completions so the prompts are the offline run's) goes through
+each row, in its own process with its tree's engine:
+  offline         `LLM.generate` (benchmarks/offline_throughput.py's worker);
+  HTTP            `python -m server.cli serve` (its defaults), loaded by `pagedserve bench` from this process;
+  HTTP, max-step-ms=X   this tree's server for each X in --step-targets (0 = time budget off: the token budget only).
+Each HTTP row starts its server, waits for /health, runs the bench and stops the server; the CPU time of the
+server's main thread (uvicorn's event loop: HTTP, SSE, metrics; the engine steps in its own thread) over the run is
+shown beside it. Client and server share this machine's cores. Rounds alternate every row; medians are reported.
 
-    python benchmarks/serve_vs_offline.py [--num-prompts 64] [--json results/serve_vs_offline.json]
+    python benchmarks/serve_vs_offline.py [--baseline-ref 25f1cf5] [--step-targets 0,250] [--num-prompts 64]
+        [--dtype auto] [--rounds 1] [--json results/serve_vs_offline.json]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import asyncio
 import os
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import httpx
 
-import httpx  # noqa: E402
-import uvicorn  # noqa: E402
-
-from benchmarks import serve as bench  # noqa: E402
-from benchmarks import workloads  # noqa: E402
-from engine import LLM, LLMEngine, SamplingParams, make_config  # noqa: E402
-from engine.async_engine import AdmissionLimits  # noqa: E402
-from server.app import ServerConfig, create_app  # noqa: E402
+from benchmarks import common, workloads
+from benchmarks import serve as bench
+from benchmarks.offline_throughput import run_offline
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _thread_cpu_s(tid: int) -> float:
-    """CPU seconds a thread of this process has used (Linux; 0 elsewhere)."""
+def main_thread_cpu_s(pid: int) -> float:
+    """CPU seconds the process's main thread has used (Linux; 0 elsewhere)."""
     try:
-        with open(f"/proc/self/task/{tid}/stat") as f:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def run_http(tree, serve_args: list[str], args) -> dict:
+    """Start `tree`'s server, load it with the prose workload, stop it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as log:
+        server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--log-level",
+                                   "warning", "--dtype", args.dtype, *serve_args], cwd=tree or common.REPO,
+                                  env=dict(os.environ, PYTHONPATH=str(tree or common.REPO)), stdout=log,
+                                  stderr=subprocess.STDOUT)
+        try:
+            while True:
+                if server.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"server exited:\n{log.read()[-3000:]}")
+                try:
+                    if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.perf_counter() - t0 > 600:
+                    raise RuntimeError("server did not become healthy in 600 s")
+                time.sleep(0.5)
+            startup = time.perf_counter() - t0
+            bench_args = bench.build_parser().parse_args(
+                ["--base-url", url, "--endpoint", "completions", "--workload", "prose", "--num-prompts",
+                 str(args.num_prompts), "--num-warmups", "1", "--no-progress"]
+                + (["--text", args.text] if args.text else []))
+            cpu0 = main_thread_cpu_s(server.pid)
+            m = asyncio.run(bench.run_benchmark(bench_args))
+            loop_cpu = main_thread_cpu_s(server.pid) - cpu0
+        finally:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    return {"startup_s": startup, "output_tok_s": m["output_throughput"], "ttft_p50_ms": m["median_ttft_ms"],
+            "ttft_p99_ms": m["p99_ttft_ms"], "tpot_p50_ms": m["median_tpot_ms"], "tpot_p99_ms": m["p99_tpot_ms"],
+            "event_loop_cpu_s": loop_cpu, "duration_s": m["duration"]}
+
+
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__, rounds=1)
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--text", default=None)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--step-targets", default="", help="max-step-ms values for extra HTTP rows of this tree")
     args = ap.parse_args(argv)
-
-    engine = LLMEngine(make_config(model=args.model, dtype=args.dtype))
-    port = _free_port()
-    app = create_app(lambda: engine, ServerConfig("model", AdmissionLimits()))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-
-    loop_cpu0 = _thread_cpu_s(thread.native_id)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "bench.json")
-        cmd = [sys.executable, "-m", "benchmarks.serve", "--base-url", base, "--endpoint", "completions",
-               "--workload", "prose", "--num-prompts", str(args.num_prompts), "--no-progress",
-               "--num-warmups", "1", "--json", out] + (["--text", args.text] if args.text else [])
-        subprocess.run(cmd, check=True, cwd=REPO)
-        with open(out) as f:
-            online = json.load(f)
-    loop_cpu = _thread_cpu_s(thread.native_id) - loop_cpu0
-    server.should_exit = True
-    thread.join(timeout=10)
-    while engine.has_unfinished():  # nothing should be left, but never measure on a busy engine
-        engine.step()
-    engine.block_manager.reset_prefix_cache()  # the offline run must not reuse the online run's prompts
-
     reqs = workloads.prose(args.num_prompts, text_path=args.text)
-    llm = LLM(engine=engine)
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in reqs]
-    t0 = time.perf_counter()
-    results = llm.generate([r.prompt for r in reqs], params)
-    wall = time.perf_counter() - t0
-    offline_tps = sum(len(r.token_ids) for r in results) / wall
-    ttfts = sorted(r.metrics.ttft for r in results)
+    prompts, max_tokens = [r.prompt for r in reqs], [r.max_tokens for r in reqs]
+    model_args = ["--model", args.model] if args.model else []
 
-    rows = [("offline LLM.generate", offline_tps, ttfts[len(ttfts) // 2] * 1e3, None),
-            ("HTTP streaming (pagedserve bench)", online["output_throughput"], online["median_ttft_ms"],
-             online["p99_ttft_ms"])]
-    print(f"\nWorkload: {args.num_prompts} prose requests, all at once, dtype {engine.dtype}")
-    print(f"{'path':<36}{'out tok/s':>11}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}")
-    for name, tps, p50, p99 in rows:
-        print(f"{name:<36}{tps:>11.1f}{p50:>13.0f}{'' if p99 is None else f'{p99:.0f}':>13}")
-    overhead = 1 - online["output_throughput"] / offline_tps
-    print(f"HTTP path: {overhead * 100:.1f}% less throughput than offline; online TPOT p50 "
-          f"{online['median_tpot_ms']:.1f} ms, p99 {online['p99_tpot_ms']:.1f} ms")
-    print(f"server event-loop thread (HTTP, SSE, metrics) used {loop_cpu:.2f} s of CPU over the "
-          f"{online['duration']:.1f} s run ({loop_cpu / online['duration'] * 100:.1f}% of one core)")
-    result = {"offline_output_tok_s": offline_tps, "online": {k: v for k, v in online.items() if k != "requests"},
-              "http_overhead_fraction": overhead, "event_loop_cpu_s": loop_cpu}
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(bench._json_safe(result), f, indent=1)
+    def offline(tree):
+        def run() -> dict:
+            r = run_offline(tree, args.model, prompts, max_tokens, dtype=args.dtype)
+            return {"output_tok_s": r["output_tok_s"], "ttft_p50_ms": r["ttft_p50_s"] * 1e3}
+        return run
+
+    contestants = {}
+    for label, tree in common.trees(args.baseline_ref).items():
+        contestants[(label, "offline")] = offline(tree)
+        contestants[(label, "HTTP")] = lambda tree=tree: run_http(tree, model_args, args)
+    for x in filter(None, args.step_targets.split(",")):
+        contestants[("this", f"HTTP, max-step-ms={x}")] = lambda x=x: run_http(None, [*model_args, "--max-step-ms",
+                                                                                      x], args)
+    runs = common.interleaved(args.rounds, contestants)
+    rows = {key: common.medians(rounds) for key, rounds in runs.items()}
+    bases = [common.commit_of(ref) for ref in args.baseline_ref]
+
+    def cell(r: dict, key: str, fmt: str) -> str:
+        return "-" if r.get(key) is None else format(r[key], fmt)
+
+    common.table(
+        ["tree", "path", "out tok/s", "vs offline"] + [f"vs {b}" for b in bases]
+        + ["TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "loop CPU %", "start s"],
+        [[label, path, f"{r['output_tok_s']:.1f}", common.ratio(r["output_tok_s"],
+                                                                rows[(label, "offline")]["output_tok_s"])]
+         + [common.ratio(r["output_tok_s"], rows[(b, path)]["output_tok_s"]) if (b, path) in rows else "-"
+            for b in bases]
+         + [cell(r, "ttft_p50_ms", ".0f"), cell(r, "ttft_p99_ms", ".0f"), cell(r, "tpot_p50_ms", ".0f"),
+            cell(r, "tpot_p99_ms", ".0f"),
+            "-" if "event_loop_cpu_s" not in r else f"{100 * r['event_loop_cpu_s'] / r['duration_s']:.1f}",
+            cell(r, "startup_s", ".1f")]
+         for (label, path), r in rows.items()],
+        f"{args.num_prompts} prose requests at once, dtype {args.dtype}; median of {args.rounds} rounds; "
+        "loop CPU: the server's event-loop thread, % of one core over the run")
+    result = {"rows": [{"tree": label, "path": path, **r} for (label, path), r in rows.items()]}
+    common.write_json(args.json, result)
     return result
 
 

@@ -10,16 +10,10 @@ CHECK: the automaton's per-token time at the end of the output is within 3x of i
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import platform
-import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.tokenizer import StopStringMatcher  # noqa: E402
+from benchmarks import common
+from engine.tokenizer import StopStringMatcher
 
 
 class RescanMatcher:
@@ -50,21 +44,20 @@ class RescanMatcher:
 def per_token_us(matcher, chars: int, window: int = 500) -> tuple[float, float]:
     """Mean microseconds per token over the first `window` tokens (after 50 of warm-up) and the last `window`."""
     piece = "abca"  # re-enters the prefixes of the stop strings below without completing one
-    times = []
-    for _ in range(chars // len(piece)):
-        t0 = time.perf_counter()
+
+    def token() -> None:
         matcher.feed(piece)
         matcher.take(final=False)
-        times.append(time.perf_counter() - t0)
+
+    times = [common.timed(token) for _ in range(chars // len(piece))]
     assert not matcher.stopped
     return (sum(times[50:50 + window]) / window * 1e6, sum(times[-window:]) / window * 1e6)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__, rounds=None, baseline=False)
     ap.add_argument("--chars", type=int, default=30_000)
     ap.add_argument("--stop-len", type=int, default=256)
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     stops = lambda n: [("abca" * n)[:n - 1] + "Z", ("bcab" * n)[:n - 1] + "Y", ("cabc" * n)[:n - 1] + "X",
                        ("abc" * n)[:n - 1] + "W"]
@@ -73,11 +66,10 @@ def main(argv: list[str] | None = None) -> None:
                          ("automaton", StopStringMatcher, 100_000), ("rescan", RescanMatcher, 100_000)):
         first, last = per_token_us(cls(stops(n)), args.chars)
         rows.append({"matcher": name, "stop_len": n, "first_us": first, "last_us": last})
-    print(f"# stop-string matching, 4 stops, {args.chars} output chars in 4-char tokens; "
-          f"python {platform.python_version()}, load {os.getloadavg()[0]:.1f}")
-    print(f"{'matcher':<10} {'stop len':>9} {'us/token first 500':>19} {'us/token last 500':>18}")
-    for r in rows:
-        print(f"{r['matcher']:<10} {r['stop_len']:>9} {r['first_us']:>19.1f} {r['last_us']:>18.1f}")
+    common.table(["matcher", "stop len", "us/token first 500", "us/token last 500"],
+                 [[r["matcher"], r["stop_len"], f"{r['first_us']:.1f}", f"{r['last_us']:.1f}"] for r in rows],
+                 f"stop-string matching, 4 stops, {args.chars} output chars in 4-char tokens; "
+                 f"python {platform.python_version()}")
     ours = rows[0]
     ok = ours["last_us"] <= 3 * ours["first_us"]
     print(f"CHECK per-token cost flat with output length (last/first = {ours['last_us'] / ours['first_us']:.2f} "
@@ -85,9 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in (args.stop_len, 100_000):
         a, b = (next(r for r in rows if r["matcher"] == m and r["stop_len"] == n) for m in ("automaton", "rescan"))
         print(f"speed-up at {args.chars} chars, stop length {n}: {b['last_us'] / a['last_us']:.0f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    common.write_json(args.json, {"rows": rows, "flat": ok})
 
 
 if __name__ == "__main__":

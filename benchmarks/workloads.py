@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from engine.config import bundled_text_path
 
 
-
 @dataclass(frozen=True)
 class Request:
     prompt: str

@@ -1,43 +1,32 @@
 """CPU attention benchmark: the in-place C++ paged kernel vs the reference gather + SDPA, one layer.
 
 Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head dim 64) unless overridden. Each row times one
-backend.forward call (store of the new K/V + attention), best of --reps, for:
+backend.forward call (store of the new K/V + attention; the step's metadata is built once beforehand, as the model
+runner does for all layers), best of --reps, for:
   decode  B sequences x one query, contexts ~context (±25 %), blocks scattered over a shuffled pool;
   extend  one chunk of --chunk new tokens on top of a cached context;
   prefill one chunk of --chunk tokens with nothing cached.
 The "floor" column is the time to read the K/V bytes once at the measured copy bandwidth.
 
-    flock /tmp/pagedserve-bench.lock python benchmarks/kernels/bench_cpu_attention.py [--dtype both] [--json out]
+    python benchmarks/kernels/bench_cpu_attention.py [--dtype both] [--block-sizes 16,64] [--threads 1] [--json out]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import time
-
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from benchmarks.machine import machine_header  # noqa: E402
-from engine.attention.base import AttentionMetadata  # noqa: E402
-from engine.attention.cpu_paged import CpuPagedAttention  # noqa: E402
-from engine.attention.torch_paged import TorchPagedAttention  # noqa: E402
+from benchmarks import common
+from engine.attention.base import AttentionMetadata
+from engine.attention.cpu_paged import CpuPagedAttention
+from engine.attention.torch_paged import TorchPagedAttention
+from engine.layers.dispatch import kernel_table
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def bench_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3  # the least disturbed run: other processes share these cores
+def best_ms(fn, reps: int) -> float:
+    """The least disturbed run: other processes share these cores."""
+    return min(common.times_ms(fn, reps, warmup=1))
 
 
 def make_case(q_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
@@ -66,8 +55,8 @@ def make_case(q_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int,
     return q, k, v, caches, meta
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser(__doc__, rounds=None, baseline=False)
     ap.add_argument("--dtype", default="both", choices=["both", *DTYPES])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=500)
@@ -79,11 +68,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--cases", default="", help="comma-separated case-name prefixes to run (default: all)")
-    ap.add_argument("--json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(machine_header())
+    print(common.machine_header())
     g = torch.Generator().manual_seed(1)
     ctx = [int(args.context * (0.75 + 0.5 * x)) for x in torch.rand(args.batch, generator=g).tolist()]
     cases = {
@@ -94,31 +82,29 @@ def main() -> None:
         f"mixed: {args.batch - 1} decodes + prefill {args.chunk}": ([1] * (args.batch - 1) + [args.chunk],
                                                                      ctx[:-1] + [args.chunk]),
     }
-    new, old = CpuPagedAttention(), TorchPagedAttention()
     rows = []
     print(f"{'case':40} {'dtype':9} {'bs':>3} {'gather+SDPA ms':>15} {'in-place ms':>12} {'ratio':>6} {'floor ms':>9}")
-    src = torch.empty(2**25, dtype=torch.float32).fill_(1)
-    dst = torch.empty_like(src)
-    bw = 2 * src.numel() * 4 / (bench_ms(lambda: dst.copy_(src), 5) * 1e-3)
+    bw = common.copy_bandwidth(torch.device("cpu"), 2**27)
     for dname in DTYPES if args.dtype == "both" else [args.dtype]:
         dtype = DTYPES[dname]
+        new = CpuPagedAttention(kernel_table(torch.device("cpu"), dtype))
         for bs in map(int, args.block_sizes.split(",")):
+            old = TorchPagedAttention(bs)
             for name, (q_lens, seq_lens) in cases.items():
                 if args.cases and not name.startswith(tuple(args.cases.split(","))):
                     continue
                 q, k, v, (kc, vc), meta = make_case(q_lens, seq_lens, args.heads, args.kv_heads, args.head_dim, bs,
                                                    dtype)
-                call = (q, k, v, kc, vc, meta, 0.125)
-                old_ms = bench_ms(lambda call=call: old.forward(*call), args.reps)
-                new_ms = bench_ms(lambda call=call: new.forward(*call), args.reps)
+                old_call = (q, k, v, kc, vc, old.build_metadata(meta, args.kv_heads, dtype), 0.125)
+                new_call = (q, k, v, kc, vc, new.build_metadata(meta, args.kv_heads, dtype), 0.125)
+                old_ms = best_ms(lambda c=old_call, old=old: old.forward(*c), args.reps)
+                new_ms = best_ms(lambda c=new_call, new=new: new.forward(*c), args.reps)
                 kv_bytes = 2 * sum(seq_lens) * args.kv_heads * args.head_dim * dtype.itemsize
                 floor = kv_bytes / bw * 1e3
                 rows.append({"case": name, "dtype": dname, "block_size": bs, "gather_sdpa_ms": old_ms,
                              "inplace_ms": new_ms, "ratio": new_ms / old_ms, "floor_ms": floor})
                 print(f"{name:40} {dname:9} {bs:>3} {old_ms:15.2f} {new_ms:12.2f} {new_ms / old_ms:6.2f} {floor:9.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine_header(), "rows": rows}, f, indent=1)
+    common.write_json(args.json, {"rows": rows})
 
 
 if __name__ == "__main__":

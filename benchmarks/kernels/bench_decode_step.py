@@ -12,21 +12,13 @@ the table also shows it with the KV cache reads added.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import os
 import random
 import statistics
-import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from benchmarks.kernels.bench_paged_attention import copy_bandwidth  # noqa: E402
-from engine import LLMEngine, SamplingParams, make_config  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
+from benchmarks import common
+from engine import LLMEngine, SamplingParams, make_config
 
 
 def decode_step_times(engine: LLMEngine, batch: int, prompt_len: int, steps: int, seed: int) -> list[float]:
@@ -40,17 +32,17 @@ def decode_step_times(engine: LLMEngine, batch: int, prompt_len: int, steps: int
     times = []
     while engine.has_unfinished():
         decoding = len(started) == batch
-        t0 = time.perf_counter()
-        outputs = engine.step()  # returns sampled token ids: the step's GPU work is done
-        dt = time.perf_counter() - t0
+        outputs = []
+        # step returns sampled token ids: the step's GPU work is done when it returns
+        dt = common.timed(lambda out=outputs: out.extend(engine.step()))
         started.update(o.request_id for o in outputs)
         if decoding and len(outputs) == batch:
             times.append(dt)
     return times
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    p = common.parser(__doc__, rounds=None, baseline=False)
     p.add_argument("--model", default="random:qwen2.5-0.5b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
@@ -59,25 +51,22 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per batch size")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="passed to the engine where it has a cuda_graphs option (default: the engine's)")
-    p.add_argument("--json", help="also write the results here")
-    args = p.parse_args()
+                   help="capture decode steps as CUDA graphs (default: the engine's)")
+    args = p.parse_args(argv)
     batches = [int(x) for x in args.batches.split(",")]
 
     options = dict(model=args.model, device=args.device, dtype=args.dtype,
                    attention_backend=args.attention_backend, memory_gib=4, max_num_seqs=max(batches))
     if args.cuda_graphs is not None:
-        if "cuda_graphs" in {f.name for f in dataclasses.fields(EngineConfig)}:
-            options["cuda_graphs"] = args.cuda_graphs
-        else:
-            print("note: this engine has no cuda_graphs option; --[no-]cuda-graphs ignored")
+        options["cuda_graphs"] = args.cuda_graphs
     engine = LLMEngine(make_config(**options))
     device = engine.device
     model = engine.runner.model
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())  # tied tensors counted once
-    bw = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**24)
-    graphs = getattr(engine.config, "cuda_graphs", "n/a")
+    bw = common.copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**24)
+    graphs = engine.config.cuda_graphs
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(common.machine_header())
     print(f"{name}: copy bandwidth {bw / 1e9:.0f} GB/s; {args.model} {engine.dtype}, weights "
           f"{weight_bytes / 1e9:.2f} GB, attention {engine.runner.backend.name}, cuda_graphs={graphs}")
     print(f"{'batch':>5} {'context':>9} | {'step ms':>8} {'p90 ms':>7} {'tok/s':>8} | "
@@ -100,10 +89,8 @@ def main() -> None:
         print(f"{batch:>5} {args.prompt_len:>4}+{args.steps:<4} | {row['step_ms']:>8.2f} "
               f"{row['p90_ms']:>7.2f} {row['tokens_per_s']:>8.0f} | {row['floor_weights_ms']:>8.3f} "
               f"{row['floor_weights_kv_ms']:>7.3f} {row['floor_fraction']:>10.1%}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": name, "copy_bandwidth_Bps": bw, "weight_bytes": weight_bytes,
-                       "config": {**vars(args), "cuda_graphs_effective": graphs}, "rows": rows}, f, indent=2)
+    common.write_json(args.json, {"device": name, "copy_bandwidth_Bps": bw, "weight_bytes": weight_bytes,
+                                  "config": {**vars(args), "cuda_graphs_effective": graphs}, "rows": rows})
 
 
 if __name__ == "__main__":

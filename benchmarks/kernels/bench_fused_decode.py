@@ -1,30 +1,24 @@
 """CPU decode step time by batch size, the fused decode layer vs the per-op path, one model load.
 
-For each batch size B, B prose prompts are prefilled, then --steps decode steps are timed through the
-engine API, once with the fused layer serving up to --fused-max rows (engine/csrc/decode_layer.cpp, our
-GEMV throughout) and once with it off (the per-op path: oneDNN past DENSE_GEMV_MAX_M rows, one Python call
-per op). Rounds alternate the two; the table shows each one's median. This is how FUSED_DENSE_MAX_M
-(engine/models/llama.py) was chosen: where fused stops being faster.
+For each batch size B, B prose prompts are prefilled, then --steps decode steps are timed through the engine API,
+once with the fused layer (engine/layers/fused_decode.py, engine/csrc/decode_layer.cpp: our GEMV throughout)
+serving up to --fused-max rows, and once without it (the per-op path: oneDNN or F.linear past the dispatch
+table's `dense_gemv_max_rows`, one Python call per op). Rounds alternate the two; the table shows each one's
+median. This is what the dispatch table's `fused_decode_max_rows` (engine/layers/dispatch.py) rests on: where
+fused stops being faster.
 
-    flock /tmp/pagedserve-bench.lock python benchmarks/kernels/bench_fused_decode.py [--batches 2,3,4,6,8,12,16]
-        [--dtype auto] [--json OUT]
+    python benchmarks/kernels/bench_fused_decode.py [--batches 2,3,4,6,8,12,16] [--dtype auto] [--rounds 3]
+        [--json OUT]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
+import itertools
 import statistics
 import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from benchmarks import workloads  # noqa: E402
-from benchmarks.machine import machine_header  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.models import llama  # noqa: E402
+from benchmarks import common, workloads
+from engine import LLM, SamplingParams
 
 
 def decode_ms(engine, batch: int, steps: int, tag: str) -> float:
@@ -37,47 +31,47 @@ def decode_ms(engine, batch: int, steps: int, tag: str) -> float:
     for _ in range(3):
         engine.step()
     assert len(engine.scheduler.running) == batch
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    ms = (time.perf_counter() - t0) / steps * 1e3
+    ms = common.timed(lambda: [engine.step() for _ in range(steps)]) / steps * 1e3
     while engine.has_unfinished():
         engine.step()
     return ms
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = common.parser(__doc__, rounds=3, baseline=False)
     ap.add_argument("--batches", default="2,3,4,6,8,12,16")
     ap.add_argument("--fused-max", type=int, default=16, help="rows the fused layer may take in the 'fused' runs")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    print(machine_header(), flush=True)
-    llm = LLM(dtype=args.dtype, max_num_seqs=256)
-    engine, model = llm.engine, llm.engine.runner.model
+    args = ap.parse_args(argv)
+    llm = LLM(dtype=args.dtype, max_num_seqs=256, kernel_policy=f"fused_decode_max_rows={args.fused_max}")
+    engine, runner = llm.engine, llm.engine.runner
+    fused = runner.fused
+    if fused is None:
+        sys.exit(f"no fused decode layer for this model on this machine (attention {runner.backend.name})")
     batches = [int(b) for b in args.batches.split(",")]
-    limits = {"fused": args.fused_max, "per-op": 0}
-    times: dict[tuple[int, str], list[float]] = {}
-    for rnd in range(args.rounds):
-        for b in batches:
-            for name, limit in limits.items():
-                llama.FUSED_DENSE_MAX_M = limit
-                model.reset_fused()
-                times.setdefault((b, name), []).append(decode_ms(engine, b, args.steps, f"{rnd}-{b}-{name}"))
-    print(f"\ndtype {engine.dtype}; decode step ms, median of {args.rounds} rounds")
-    print(f"{'B':>4} {'fused':>9} {'per-op':>9} {'fused/per-op':>13}")
+    layers = {"fused": fused, "per-op": None}
+    calls = itertools.count()
+
+    def contestant(b: int, name: str):
+        def run() -> dict:
+            runner.fused = layers[name]
+            return {"ms": decode_ms(engine, b, args.steps, f"{next(calls)}-{b}-{name}")}
+        return run
+
+    runs = common.interleaved(args.rounds, {(b, name): contestant(b, name) for b in batches for name in layers},
+                              log=lambda *a, **k: None)
     rows = []
     for b in batches:
-        f, p = statistics.median(times[(b, "fused")]), statistics.median(times[(b, "per-op")])
+        f, p = (statistics.median(r["ms"] for r in runs[(b, name)]) for name in layers)
         rows.append({"batch": b, "fused_ms": f, "per_op_ms": p})
-        print(f"{b:>4} {f:>9.1f} {p:>9.1f} {f / p:>12.2f}x")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"dtype": str(engine.dtype), "rows": rows}, fh, indent=2)
+    common.table(["B", "fused ms", "per-op ms", "fused/per-op"],
+                 [[r["batch"], f"{r['fused_ms']:.1f}", f"{r['per_op_ms']:.1f}",
+                   common.ratio(r["fused_ms"], r["per_op_ms"])] for r in rows],
+                 f"dtype {engine.dtype}; decode step ms, median of {args.rounds} rounds")
+    common.write_json(args.json, {"dtype": str(engine.dtype), "fused_max": args.fused_max, "rows": rows})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,45 +13,16 @@ baseline that pays no paging cost (and whose gather is not timed).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from engine.attention.base import AttentionMetadata  # noqa: E402
-from engine.attention.torch_paged import TorchPagedAttention  # noqa: E402
-from engine.attention.triton_paged import TritonPagedAttention, num_kv_splits  # noqa: E402
+from benchmarks import common
+from engine.attention.base import AttentionMetadata
+from engine.attention.torch_paged import TorchPagedAttention
+from engine.attention.triton_paged import TritonPagedAttention, num_kv_splits
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def bench_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """Median ms per call: CUDA events with L2 flushed between calls on a GPU, wall clock elsewhere."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-    fn()  # compile / warm up
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[1] * 1e3
-
-
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes/s of a device-to-device copy (read + write counted) of an nbytes tensor."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src), device)
-    return 2 * nbytes / (ms * 1e-3)
 
 
 def decode_batch(batch: int, context: int, args: argparse.Namespace, device: torch.device):
@@ -90,9 +61,12 @@ def fits(batch: int, context: int, args: argparse.Namespace, device: torch.devic
 def run_case(batch: int, context: int, args: argparse.Namespace, device: torch.device, bw: float) -> dict:
     q, k, v, k_cache, v_cache, meta = decode_batch(batch, context, args, device)
     scale = args.head_dim ** -0.5
-    triton_backend, torch_backend = TritonPagedAttention(), TorchPagedAttention()
-    calls = {"triton": lambda: triton_backend.forward(q, k, v, k_cache, v_cache, meta, scale),
-             "torch": lambda: torch_backend.forward(q, k, v, k_cache, v_cache, meta, scale)}
+    triton_backend, torch_backend = TritonPagedAttention(), TorchPagedAttention(args.block_size)
+    # each backend's per-step metadata is built once, as the model runner does for all layers
+    triton_meta = triton_backend.build_metadata(meta, args.num_kv_heads, q.dtype)
+    torch_meta = torch_backend.build_metadata(meta, args.num_kv_heads, q.dtype)
+    calls = {"triton": lambda: triton_backend.forward(q, k, v, k_cache, v_cache, triton_meta, scale),
+             "torch": lambda: torch_backend.forward(q, k, v, k_cache, v_cache, torch_meta, scale)}
     triton_out = calls["triton"]()  # also stores the new K/V, so the gather below includes them
     # SDPA's operands: the same K/V gathered once into contiguous [B, Hkv, L, D]
     tables = meta.block_tables.long()
@@ -110,7 +84,7 @@ def run_case(batch: int, context: int, args: argparse.Namespace, device: torch.d
         row["max_abs_err_vs_sdpa"] = None
     for name, fn in calls.items():
         try:
-            ms = bench_ms(fn, device)
+            ms = common.median_ms(fn, reps=3, warmup=1, device=device)
         except torch.OutOfMemoryError:  # a baseline's temporaries (gathers, SDPA's math fallback) too big
             row[f"{name}_us"] = row[f"{name}_GBps"] = row[f"{name}_pct_bw"] = None
             torch.cuda.empty_cache()
@@ -125,8 +99,8 @@ def _f(x: float | None, width: int, digits: int, kind: str = "f") -> str:
     return f"{'OOM':>{width}}" if x is None else f"{x:>{width}.{digits}{kind}}"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    p = common.parser(__doc__, rounds=None, baseline=False)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--num-heads", type=int, default=32)  # Llama-3-8B's attention shape
@@ -136,8 +110,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,64,256")
     p.add_argument("--contexts", default="128,1024,4096,16384")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test (on CPU: interpreted)")
-    p.add_argument("--json", help="also write the results here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     device = torch.device(args.device)
     if args.quick:
         args.batches, args.contexts, args.dtype = "1,3", "16,40", "float32"
@@ -146,8 +119,9 @@ def main() -> None:
     contexts = [int(x) for x in args.contexts.split(",")]
     torch.manual_seed(0)
 
-    bw = copy_bandwidth(device, 2**30 if device.type == "cuda" and not args.quick else 2**22)
+    bw = common.copy_bandwidth(device, 2**30 if device.type == "cuda" and not args.quick else 2**22)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(common.machine_header())
     print(f"{name}: measured copy bandwidth {bw / 1e9:.0f} GB/s; {args.dtype}, Hq={args.num_heads} "
           f"Hkv={args.num_kv_heads} D={args.head_dim} block={args.block_size}")
     header = (f"{'batch':>5} {'context':>7} {'splits':>6} | {'triton us':>9} {'GB/s':>6} {'%bw':>5} | "
@@ -168,10 +142,7 @@ def main() -> None:
                   f"{_f(r['triton_GBps'], 6, 0)} {_f(r['triton_pct_bw'], 5, 1)} | {_f(r['torch_us'], 9, 1)} "
                   f"{_f(r['torch_pct_bw'], 5, 1)} | {_f(r['sdpa_us'], 9, 1)} {_f(r['sdpa_pct_bw'], 5, 1)} | "
                   f"{_f(r['max_abs_err_vs_sdpa'], 7, 1, 'e')}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": name, "copy_bandwidth_Bps": bw, "config": vars(args), "rows": rows}, f,
-                      indent=2)
+    common.write_json(args.json, {"device": name, "copy_bandwidth_Bps": bw, "config": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

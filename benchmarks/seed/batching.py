@@ -12,14 +12,12 @@ random weights at its shapes.
 from __future__ import annotations
 
 import os
-import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see kv_cache.py
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
+from benchmarks.common import table  # noqa: E402
 from benchmarks.seed import common  # noqa: E402
 from benchmarks.seed.common import ms  # noqa: E402
 
@@ -73,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = measure(loaded, batches, args.context, steps)
     k = knee(rows)
     result.update(model=loaded.name, dtype=loaded.dtype_name, context=args.context, rows=rows, knee=k)
-    common.table(
+    table(
         ["batch", "step ms", "tokens/s", "throughput x", "latency x"],
         [[r["batch"], ms(r["step_s"]), f"{r['tokens_per_s']:.1f}", f"{r['throughput_x']:.2f}",
           f"{r['latency_x']:.2f}"] for r in rows],

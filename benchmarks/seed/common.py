@@ -1,23 +1,20 @@
-"""Shared plumbing for the chapter's experiments: one model load per (model, dtype) per process,
-engines over shared weights, prompts from the book, robust timing, tables, JSON, checks.
+"""What the chapter's experiments share beyond benchmarks/common.py: one model load per (model, dtype) per process,
+engines over shared weights, step timings through the engine, prompts from the book, checks.
 
-Every script here is a `main(argv) -> dict` that prints its tables, writes `--json PATH`, and ends
-with `finish(...)`, which prints each check and exits non-zero when one fails.
+Every script here is a `main(argv) -> dict` that prints its tables (benchmarks.common.table), writes `--json PATH`,
+and ends with `finish(...)`, which prints each check and exits non-zero when one fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from benchmarks.common import parser, timed, write_json
 from engine import LLMEngine, SamplingParams, make_config
 from engine.config import ModelConfig, bundled_model_path, resolve_dtype
 from engine.models.llama import LlamaModel
@@ -182,48 +179,15 @@ def book_ids(loaded: Loaded, n: int, offset: int = 0) -> list[int]:
     return [t % loaded.config.vocab_size for t in ids]
 
 
-# ---- timing ----------------------------------------------------------------------------------------
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], object], device: torch.device | None = None) -> float:
-    if device is not None:
-        sync(device)
-    t0 = time.perf_counter()
-    fn()
-    if device is not None:
-        sync(device)
-    return time.perf_counter() - t0
-
-
-def summary(times: Sequence[float]) -> dict:
-    """min is the best estimate of the intrinsic cost on a shared, noisy machine; median for context."""
-    return {"min_s": min(times), "median_s": statistics.median(times), "n": len(times)}
-
-
-# ---- output ----------------------------------------------------------------------------------------
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str | None = None) -> str:
-    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else f"{c}" for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = [title] if title else []
-    lines.append("  ".join(h.rjust(w) for h, w in zip(cells[0], widths)))
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells[1:]]
-    text = "\n".join(lines)
-    print("\n" + text, flush=True)
-    return text
-
-
+# ---- output and checks ------------------------------------------------------------------------------
 def ms(seconds: float, digits: int = 1) -> str:
     return f"{seconds * 1e3:.{digits}f}"
 
 
-def base_parser(doc: str | None) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+def base_parser(doc: str | None, rounds: int | None = None) -> argparse.ArgumentParser:
+    """benchmarks.common's parser (--json, and --rounds where a script has rounds) and the chapter's options."""
+    ap = parser(doc, rounds=rounds, baseline=False)
     ap.add_argument("--quick", action="store_true", help="small sizes; asserts the property (for tests)")
-    ap.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--no-timing-checks", action="store_true",
                     help="report timing checks without failing on them (tests: a loaded machine is no benchmark)")
@@ -233,13 +197,7 @@ def base_parser(doc: str | None) -> argparse.ArgumentParser:
 def setup(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
-    return {"machine": machine(), "quick": bool(args.quick)}
-
-
-def machine() -> dict:
-    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    return {"quick": bool(args.quick)}
 
 
 TIMING = "timing"  # third element of a check tuple: the check compares measured times
@@ -262,9 +220,7 @@ def finish(result: dict, checks: dict[str, tuple], args: argparse.Namespace) -> 
     for name, c in result["checks"].items():
         label = ("PASS" if c["ok"] else "FAIL") if c["enforced"] else "INFO"
         print(f"CHECK {label}  {name}: {c['detail']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+    write_json(args.json, result)
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
         raise SystemExit(1)

@@ -19,18 +19,15 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-import time
 
 # Idle OpenMP workers sleep instead of spinning: on a shared machine a spinning 2-thread team waits on a
-# descheduled peer and steps get 10-30x slower. Only effective before torch is first imported.
+# descheduled peer and steps get many times slower. Only effective before torch is first imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
+from benchmarks.common import table, timed, times_ms  # noqa: E402
 from benchmarks.seed import common  # noqa: E402
 from benchmarks.seed.common import ms  # noqa: E402
 
@@ -49,18 +46,24 @@ def identity_run(loaded: common.Loaded, prompt_tokens: int, gen_tokens: int) -> 
     common.run_all(eng)
 
     # with the cache: one prefill, then one token per step against the stored K/V
-    t0 = time.perf_counter()
-    eng.add_request("cached", ids, common.greedy(gen_tokens, logprobs=5))
-    cached = common.run_all(eng)["cached"]
-    cached_s = time.perf_counter() - t0
+    runs: dict[str, dict] = {}
+
+    def with_cache() -> None:
+        eng.add_request("cached", ids, common.greedy(gen_tokens, logprobs=5))
+        runs.update(common.run_all(eng))
+
+    cached_s = timed(with_cache)
+    cached = runs["cached"]
 
     # without: every token is a new request holding the whole sequence so far -> a full prefill
     out: list[int] = []
-    t0 = time.perf_counter()
-    for i in range(gen_tokens):
-        eng.add_request(f"uncached-{i}", ids + out, common.greedy(1))
-        out += common.run_all(eng)[f"uncached-{i}"]["tokens"]
-    uncached_s = time.perf_counter() - t0
+
+    def without_cache() -> None:
+        for i in range(gen_tokens):
+            eng.add_request(f"uncached-{i}", ids + out, common.greedy(1))
+            out.extend(common.run_all(eng)[f"uncached-{i}"]["tokens"])
+
+    uncached_s = timed(without_cache)
     ok, detail = common.compare_greedy(cached["tokens"], out, cached["logprobs"])
     text = loaded.tokenizer.decode(cached["tokens"]) if loaded.tokenizer is not None else None
     return {"dtype": loaded.dtype_name, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
@@ -69,26 +72,6 @@ def identity_run(loaded: common.Loaded, prompt_tokens: int, gen_tokens: int) -> 
 
 
 # ---- 2. one attention head -----------------------------------------------------------------------
-def _time_call(fn, min_total: float = 0.02, repeats: int = 5) -> float:
-    fn()
-    calls, t = 1, 0.0
-    while True:  # calls per repeat such that one repeat lasts >= min_total
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t = time.perf_counter() - t0
-        if t >= min_total:
-            break
-        calls *= 2
-    best = t / calls
-    for _ in range(repeats - 1):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best
-
-
 def single_head(contexts: list[int], d: int = 64) -> list[dict]:
     """Timed on one thread: microsecond-sized ops would otherwise measure thread wake-ups."""
     threads = torch.get_num_threads()
@@ -120,7 +103,7 @@ def _single_head(contexts: list[int], d: int) -> list[dict]:
             return (torch.softmax(s, dim=-1) @ v)[-1:]
 
         assert torch.allclose(cached(), recompute(), atol=1e-5)
-        tc, tu = _time_call(cached), _time_call(recompute)
+        tc, tu = (min(times_ms(fn, reps=5, warmup=1, min_s=0.02)) / 1e3 for fn in (cached, recompute))
         rows.append({"n": n, "cached_s": tc, "recompute_s": tu, "ratio": tu / tc,
                      "cached_score_bytes": n * 4, "recompute_score_bytes": n * n * 4})
     return rows
@@ -186,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
                               args.check_dtype)
     ident = identity_run(check_model, prompt_tokens, gen_tokens)
     result["identity"] = ident
-    common.table(
+    table(
         ["path", "dtype", "prompt", "generated", "wall s", "ms/token"],
         [["with KV cache", ident["dtype"], prompt_tokens, gen_tokens, f"{ident['cached_s']:.2f}",
           ms(ident["cached_s"] / gen_tokens)],
@@ -198,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     # 2. one attention head -------------------------------------------------------------------------
     head = single_head(contexts)
     result["single_head"] = head
-    common.table(
+    table(
         ["context n", "cached (1 x n) ms", "recompute (n x n) ms", "ratio", "scores cached", "scores recompute"],
         [[r["n"], ms(r["cached_s"], 3), ms(r["recompute_s"], 3), f"{r['ratio']:.0f}x",
           _bytes(r["cached_score_bytes"]), _bytes(r["recompute_score_bytes"])] for r in head],
@@ -206,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     mac_rows = macs(contexts)
     result["macs"] = mac_rows
-    common.table(
+    table(
         ["T tokens", "cached MACs", "recompute MACs", "ratio"],
         [[r["T"], f"{r['cached_macs']:,}", f"{r['uncached_macs']:,}", f"{r['ratio']:.0f}x"] for r in mac_rows],
         title="3. That head's multiply-accumulates to generate T tokens from cold: O(T^2) vs O(T^3)")
@@ -216,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n4. measuring engine steps ({timing_model.name}, {timing_model.dtype_name}) ...", flush=True)
     steps = engine_steps(timing_model, contexts, repeats, decode_steps=4 if args.quick else 5)
     result["engine"] = {"model": timing_model.name, "dtype": timing_model.dtype_name, "rows": steps}
-    common.table(
+    table(
         ["context n", "cached step ms", "uncached step ms", "ratio", "total T=n cached s", "uncached s", "ratio"],
         [[r["n"], ms(r["cached_step_s"]), ms(r["uncached_step_s"]), f"{r['step_ratio']:.1f}x",
           f"{r['cached_total_s']:.2f}", f"{r['uncached_total_s']:.2f}", f"{r['total_ratio']:.0f}x"] for r in steps],

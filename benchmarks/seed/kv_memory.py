@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
+from benchmarks.common import table  # noqa: E402
 from benchmarks.seed import common  # noqa: E402
 from engine import LLMEngine, SamplingParams, make_config  # noqa: E402
 from engine.block_manager import BlockManager  # noqa: E402
@@ -127,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows = shape_rows(dtypes)
     result["shapes"] = rows
-    common.table(
+    table(
         ["model", "dtype", "L", "Hq", "Hkv", "d", "measured B/token", "formula B/token", "295-token request B",
          "GiB @128k tok", "note"],
         [[r["model"], r["dtype"], r["layers"], r["q_heads"], r["kv_heads"], r["head_dim"],
@@ -141,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     splits = [(32, 2048), (64, 1024), (128, 512)] + ([] if args.quick else [(100, 655), (1000, 65)])
     same = same_total_rows(splits, qwen16["bytes_per_block"])
     result["same_total"] = {"model": "qwen2.5-0.5b", "dtype": qwen16["dtype"], "rows": same}
-    common.table(
+    table(
         ["sequences", "tokens each", "total tokens", "blocks", "token slots", "bytes", "MiB", "padding tokens"],
         [[r["sequences"], r["tokens_each"], f"{r['total_tokens']:,}", f"{r['blocks']:,}", f"{r['slots']:,}",
           f"{r['bytes']:,}", f"{r['bytes'] / 2**20:,.1f}", r["waste_tokens"]] for r in same],

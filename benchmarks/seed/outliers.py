@@ -19,14 +19,11 @@ The bundled SmolLM2's weights are the GGUF's Q4_1 values dequantized: the number
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from benchmarks.seed import common  # noqa: E402
+from benchmarks.common import table
+from benchmarks.seed import common
 
 
 def residual_stream(loaded: common.Loaded, ids: list[int]) -> list[torch.Tensor]:
@@ -60,11 +57,11 @@ def int8_levels(h: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def weight_outliers(model) -> dict:
-    from engine.models.llama import Linear
+    from engine.layers.linear import Linear
 
     worst = None
     for name, m in model.named_modules():
-        if not isinstance(m, Linear) or name == "lm_head" or m.weight.numel() == 0:
+        if not isinstance(m, Linear) or name == "lm_head" or m.weight is None or m.weight.numel() == 0:
             continue
         w = m.weight.detach().float()
         std = w.std().item()
@@ -98,8 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
                           "median_dim_max": m.median().item()})
         rows.append([i, ", ".join(f"{d}: {v:,.1f}" for d, v in zip(top_d.tolist(), top_v.tolist())),
                      f"{m.median().item():.2f}"])
-    common.table(["layer", "top dims (max |h|)", "median dim max"], rows,
-                 f"Residual stream, {len(ids)} tokens, {cfg.hidden_size} dims: largest |h| per dimension")
+    table(["layer", "top dims (max |h|)", "median dim max"], rows,
+          f"Residual stream, {len(ids)} tokens, {cfg.hidden_size} dims: largest |h| per dimension")
     result["per_layer"] = per_layer
 
     layer = args.layer if args.layer is not None else (2 * cfg.num_layers) // 3

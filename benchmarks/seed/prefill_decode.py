@@ -16,14 +16,12 @@ Qwen2.5-0.5B; the full run uses random weights at its shapes (speed does not dep
 from __future__ import annotations
 
 import os
-import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see kv_cache.py: sleeping, not spinning, OMP workers
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
+from benchmarks.common import table  # noqa: E402
 from benchmarks.seed import common  # noqa: E402
 from benchmarks.seed.common import ms  # noqa: E402
 
@@ -71,13 +69,13 @@ def main(argv: list[str] | None = None) -> dict:
     prefill, decode = measure(loaded, prompt_sizes, cache_sizes, repeats, decode_steps=3 if args.quick else 8)
     result.update(model=loaded.name, dtype=loaded.dtype_name, prefill=prefill, decode=decode)
 
-    common.table(["prompt P", "prefill ms", "ms / token", "tokens/s"],
-                 [[r["P"], ms(r["step_s"]), ms(r["per_token_s"], 2), f"{1 / r['per_token_s']:,.0f}"] for r in prefill],
-                 title=f"Prefill, one pass over P tokens ({loaded.name}, {loaded.dtype_name}, best of {repeats})")
+    table(["prompt P", "prefill ms", "ms / token", "tokens/s"],
+          [[r["P"], ms(r["step_s"]), ms(r["per_token_s"], 2), f"{1 / r['per_token_s']:,.0f}"] for r in prefill],
+          title=f"Prefill, one pass over P tokens ({loaded.name}, {loaded.dtype_name}, best of {repeats})")
     d0 = decode[0]["step_s"]
-    common.table(["cache C", "decode step ms", "vs smallest C", "tokens/s"],
-                 [[r["C"], ms(r["step_s"]), f"{r['step_s'] / d0:.2f}x", f"{r['tokens_per_s']:.1f}"] for r in decode],
-                 title=f"Decode, one token against a cache of C tokens ({loaded.name}, {loaded.dtype_name})")
+    table(["cache C", "decode step ms", "vs smallest C", "tokens/s"],
+          [[r["C"], ms(r["step_s"]), f"{r['step_s'] / d0:.2f}x", f"{r['tokens_per_s']:.1f}"] for r in decode],
+          title=f"Decode, one token against a cache of C tokens ({loaded.name}, {loaded.dtype_name})")
 
     ref_p = 256 if 256 in prompt_sizes else prompt_sizes[-1]
     per_token = next(r["per_token_s"] for r in prefill if r["P"] == ref_p)

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see kv_cache.py
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
+from benchmarks.common import table  # noqa: E402
 from benchmarks.seed import common  # noqa: E402
 from benchmarks.seed.common import ms  # noqa: E402
 
@@ -84,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
         runs.append(experiment(check, prefix_tokens, args.suffix_tokens, gen_tokens, 1))
     ident = runs[-1]
     result.update(model=timing.name, runs=runs)
-    common.table(
+    table(
         ["dtype", "prompt tokens", "cached tokens", "TTFT uncached ms", "TTFT cached ms", "speedup", "greedy output"],
         [[r["dtype"], r["prompt_tokens"], r["cached_tokens"], ms(r["uncached_ttft_s"]), ms(r["cached_ttft_s"]),
           f"{r['speedup']:.1f}x", "identical" if r["identical"] else ("near-tie" if r["ok"] else "DIFFERS")]

@@ -11,30 +11,27 @@
    lookup workload; never below 0.95x on prose. Greedy outputs must equal plain decoding (fp32; a
    divergence only at a genuine near-tie).
 
-    flock /tmp/pagedserve-bench.lock python benchmarks/seed/speculative.py [--quick] [--json out.json]
+    python benchmarks/seed/speculative.py [--quick] [--rounds 3] [--json out.json]
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import statistics
-import sys
 import time
 
-# OpenMP keeps its default (spinning) wait policy, as a server runs: PASSIVE nearly doubled the batch-1 step
+# OpenMP keeps its default (spinning) wait policy here, unlike the other chapter scripts: a server runs with it,
+# and a sleeping team slows the batch-1 step this script times.
+import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import torch  # noqa: E402
-
-from benchmarks import workloads  # noqa: E402
-from benchmarks.seed import common  # noqa: E402
-from engine.model_runner import StepInput  # noqa: E402
-from engine.sampler import SampleRequest  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
-from engine.spec_decode.speculator import expected_tokens  # noqa: E402
-from engine.tokenizer import apply_chat_template  # noqa: E402
+from benchmarks import workloads
+from benchmarks.common import interleaved, machine_header, table, timed
+from benchmarks.seed import common
+from engine.model_runner import StepInput
+from engine.sampler import SampleRequest
+from engine.sequence import Sequence
+from engine.spec_decode.speculator import expected_tokens
+from engine.tokenizer import apply_chat_template
 
 QUANT_FORMATS = ("int8", "int4", "nf4")
 
@@ -117,7 +114,7 @@ def forward_times(runner, block_manager, ids: list[int], max_extra: int, repeats
             seq.spec_token_ids = ids[:g]
             step = StepInput([seq], [1 + g], [req])
             runner.run(step)  # warm-up
-            times.append(min(common.timed(lambda s=step: runner.run(s), runner.device) for _ in range(repeats)))
+            times.append(min(timed(lambda s=step: runner.run(s), runner.device) for _ in range(repeats)))
         return times
     finally:
         seq.spec_token_ids = []
@@ -125,13 +122,11 @@ def forward_times(runner, block_manager, ids: list[int], max_extra: int, repeats
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = common.base_parser(__doc__)
+    ap = common.base_parser(__doc__, rounds=3)
     ap.add_argument("--dtype", default="float32", help="the target's dtype (the chapter: full precision)")
     ap.add_argument("--max-gamma", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=None, help="output tokens per request")
     ap.add_argument("--gammas", default=None, help="γ values measured at fixed γ (default 1..max-gamma)")
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds per config (default 3; "
-                                                              "--quick: 1)")
     ap.add_argument("--drafts", default=None, help="self-drafts to measure, e.g. int8,int4 (default: bf16 and all "
                                                     "quantized formats)")
     args = ap.parse_args(argv)
@@ -143,10 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     n_positions = 48 if quick else 144
     target = common.load(dtype=args.dtype, device="cpu")
     tok = target.tokenizer
-    result.update(model=target.name, target_dtype=target.dtype_name, cpu_flags=cpu_flags(),
-                  load_avg_start=os.getloadavg()[0])
-    print(f"target: {target.name} in {target.dtype_name}; {torch.get_num_threads()} threads; "
-          f"load average {os.getloadavg()[0]:.2f}")
+    result.update(model=target.name, target_dtype=target.dtype_name)
+    print(f"target: {target.name} in {target.dtype_name}\n{machine_header()}")
     prose = [apply_chat_template(tok, m) for m in PROSE[:2 if quick else 3]]
     lookup = [apply_chat_template(tok, m) for m in lookup_prompts(40 if quick else 90)[:2 if quick else 3]]
     checks: dict[str, tuple] = {}
@@ -191,20 +184,20 @@ def main(argv: list[str] | None = None) -> dict:
         rows_pred.append([name, "measured TPOT"] + [f"{measured[g]:.2f}x" if g in measured else "-" for g in gammas])
         checks[f"{name}: alpha measured on >= {n_positions} positions"] = (total >= n_positions, f"{total} positions")
         del eng
-    common.table(["draft", "agree", "α", "c = draft/target step"], rows_alpha,
-                 f"Acceptance α (draft agrees with the {target.dtype_name} target's greedy token, same prefix)")
-    common.table(["γ"] + [str(g) for g in gammas], [["r_γ = step(1+γ)/step(1)"] + [f"{r_gamma[g]:.2f}"
-                                                                                 for g in gammas]],
-                 "Target step cost with γ extra tokens (single stream)")
-    common.table(["draft", "speed-up"] + [f"γ={g}" for g in gammas], rows_pred,
-                 "Speed-up per γ: chapter formula, with measured verification cost, and measured (fixed γ)")
+    table(["draft", "agree", "α", "c = draft/target step"], rows_alpha,
+          f"Acceptance α (draft agrees with the {target.dtype_name} target's greedy token, same prefix)")
+    table(["γ"] + [str(g) for g in gammas], [["r_γ = step(1+γ)/step(1)"] + [f"{r_gamma[g]:.2f}"
+                                                                          for g in gammas]],
+          "Target step cost with γ extra tokens (single stream)")
+    table(["draft", "speed-up"] + [f"γ={g}" for g in gammas], rows_pred,
+          "Speed-up per γ: chapter formula, with measured verification cost, and measured (fixed γ)")
     result["acceptance"] = {"r_gamma": r_gamma, "drafts": table1}
 
     # ---- 2. TPOT, single stream, adaptive γ ---------------------------------------------------------------
     # Each config is timed once per round, in the same order every round, and a config's TPOT is its median
-    # over rounds: these VMs drift by 10-30 % over a minute, more than the effect being measured on prose.
+    # over rounds: a shared machine drifts within a minute by more than the effect being measured on prose.
     rows, tpot = [], {}
-    rounds = args.rounds or (1 if quick else 3)
+    rounds = 1 if quick else args.rounds
     for wname, prompts in (("lookup (quote/repeat/edit)", lookup), ("free prose", prose)):
         reference = generate(plain, prompts, n_tokens, logprobs=5)  # untimed: the tokens to compare against
         configs = [("ngram", dict(speculative_method="ngram"))]
@@ -212,13 +205,14 @@ def main(argv: list[str] | None = None) -> dict:
         engines = {"none": plain} | {cname: common.engine(target, num_blocks=512,
                                                           num_speculative_tokens=args.max_gamma, **opts)
                                      for cname, opts in configs}
-        times: dict[str, list[float]] = {name: [] for name in engines}
         outputs: dict[str, list[dict]] = {}
-        for _ in range(rounds):
-            for name, eng in engines.items():
-                res = generate(eng, prompts, n_tokens)
-                times[name].append(mean_tpot(res))
-                outputs[name] = res
+
+        def run(name: str, eng, prompts=prompts, outputs=outputs) -> dict:
+            outputs[name] = generate(eng, prompts, n_tokens)
+            return {"tpot_s": mean_tpot(outputs[name])}
+
+        runs = interleaved(rounds, {name: lambda name=name, eng=eng: run(name, eng) for name, eng in engines.items()})
+        times = {name: [r["tpot_s"] for r in rs] for name, rs in runs.items()}
         base_s = statistics.median(times["none"])
         tpot[wname] = {"plain_s": base_s, "plain_rounds_s": times["none"]}
         rows.append([wname, "none", common.ms(base_s), "1.00x", "-", "-", "-"])
@@ -240,11 +234,11 @@ def main(argv: list[str] | None = None) -> dict:
             checks[f"{wname}, {cname}: greedy output equals plain decoding"] = (
                 ok_same, "; ".join(d for _, d in same))
         del engines
-    common.table(["workload", "speculation", "TPOT ms", "speed-up", "accept rate", "accept len", "drafts"], rows,
-                 f"Single stream, adaptive γ <= {args.max_gamma}, {n_tokens} output tokens per request, "
-                 f"median TPOT over {rounds} interleaved rounds")
+    table(["workload", "speculation", "TPOT ms", "speed-up", "accept rate", "accept len", "drafts"], rows,
+          f"Single stream, adaptive γ <= {args.max_gamma}, {n_tokens} output tokens per request, "
+          f"median TPOT over {rounds} interleaved rounds")
     result["tpot"] = tpot
-    look, prose_r = tpot["lookup (quote/repeat/edit)"]["ngram"], tpot["free prose"]["ngram"]
+    look = tpot["lookup (quote/repeat/edit)"]["ngram"]
     checks["ngram: >= 1.8x lower TPOT on the lookup workload"] = (
         look["speedup"] >= 1.8, f"{look['speedup']:.2f}x", common.TIMING)
     for wname, per in tpot.items():
@@ -252,21 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
             if isinstance(v, dict) and wname == "free prose":
                 checks[f"{cname}: never below 0.95x on prose"] = (
                     v["speedup"] >= 0.95, f"{v['speedup']:.2f}x", common.TIMING)
-    del prose_r
-    result["load_avg_end"] = os.getloadavg()[0]
-    print(f"\nload average at the end: {os.getloadavg()[0]:.2f}; CPU flags: {result['cpu_flags']}")
+    print(f"\nat the end: {machine_header()}")
     return common.finish(result, checks, args)
-
-
-def cpu_flags() -> str:
-    """The flags that decide CPU speed paths (AVX-512, bf16, AMX), from /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return "unknown"
-    keep = [f for f in flags if f.startswith(("avx512", "amx", "avx2", "fma"))]
-    return " ".join(sorted(set(keep)))
 
 
 if __name__ == "__main__":

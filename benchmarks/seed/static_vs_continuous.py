@@ -23,14 +23,11 @@ import math
 import os
 import random
 import statistics
-import sys
-import time
 from statistics import NormalDist
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see kv_cache.py
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
+from benchmarks.common import table, timed  # noqa: E402
 from benchmarks.seed import common  # noqa: E402
 from benchmarks.seed.common import ms  # noqa: E402
 
@@ -135,19 +132,22 @@ def run_engine(loaded: common.Loaded, policy: str, prompts: list[list[int]], len
                         num_blocks=slots * common.blocks_for(max(map(len, prompts)) + max(lengths), slack=1) + 8)
     eng.add_request("warm", prompts[0][:16], common.greedy(3))  # warm-up
     common.run_all(eng)
-    steps = 0
-    t0 = time.perf_counter()
-    for i, (ids, n) in enumerate(zip(prompts, lengths)):
-        eng.add_request(f"r{i}", ids, common.greedy(n))
     res: dict[str, dict] = {}
-    while eng.has_unfinished():
-        steps += 1
-        for out in eng.step():
-            r = res.setdefault(out.request_id, {"tokens": 0})
-            r["tokens"] += len(out.new_token_ids)
-            if out.finished:
-                r["metrics"] = out.metrics
-    wall = time.perf_counter() - t0
+    steps = 0
+
+    def run() -> None:
+        nonlocal steps
+        for i, (ids, n) in enumerate(zip(prompts, lengths)):
+            eng.add_request(f"r{i}", ids, common.greedy(n))
+        while eng.has_unfinished():
+            steps += 1
+            for out in eng.step():
+                r = res.setdefault(out.request_id, {"tokens": 0})
+                r["tokens"] += len(out.new_token_ids)
+                if out.finished:
+                    r["metrics"] = out.metrics
+
+    wall = timed(run)
     tokens = sum(r["tokens"] for r in res.values())
     assert tokens == sum(lengths), (tokens, sum(lengths))
     lat = [r["metrics"].finish_time - r["metrics"].arrival_time for r in res.values()]
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     del eng
     sim = simulate(lengths, args.slots, step_s)
     result["simulation"] = {"step_s": step_s, **sim}
-    common.table(
+    table(
         ["policy", "steps", "time s", "tokens/s", "mean latency s", "mean time in slot s"],
         [[p, sim[p]["steps"], f"{sim[p]['time_s']:.2f}", f"{sim[p]['tokens_per_s']:.1f}",
           f"{sim[p]['mean_latency_s']:.2f}", f"{sim[p]['mean_in_slot_s']:.2f}"] for p in ("static", "continuous")],
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
         ratios = {"throughput": c["tokens_per_s"] / s["tokens_per_s"],
                   "mean_latency": s["mean_latency_s"] / c["mean_latency_s"]}
         result["engine"] = {"model": loaded.name, "dtype": loaded.dtype_name, **runs, "ratios": ratios}
-        common.table(
+        table(
             ["policy", "engine steps", "wall s", "out tokens", "tokens/s", "mean latency s", "p50 latency s",
              "mean TTFT s"],
             [[p, r["steps"], f"{r['wall_s']:.2f}", r["output_tokens"], f"{r['tokens_per_s']:.1f}",
