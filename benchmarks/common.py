@@ -43,7 +43,7 @@ def machine_header() -> str:
     """One line: the CPU and the flags that decide its fast paths, torch's threads, the load average."""
     import torch
 
-    from engine.machine import cpu
+    from pagedserve.engine.machine import cpu
 
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return f"machine: {cpu().describe()} | torch {torch.__version__}, {torch.get_num_threads()} threads | load {load}"

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from benchmarks import common
-from engine.config import bundled_model_path
-from engine.tokenizer import load_tokenizer
+from pagedserve.benchmarks import common
+from pagedserve.engine.config import bundled_model_path
+from pagedserve.engine.tokenizer import load_tokenizer
 
 S = {"type": "string", "maxLength": 20}
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "email", "tags", "address"],

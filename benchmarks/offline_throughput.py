@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from benchmarks import common, workloads
+from pagedserve.benchmarks import common, workloads
 
 # Runs in the tree under test (this one or a baseline commit's worktree): public API only.
 WORKER = r"""
@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args(argv)
 
-    from engine.config import bundled_model_path
-    from engine.tokenizer import load_tokenizer
+    from pagedserve.engine.config import bundled_model_path
+    from pagedserve.engine.tokenizer import load_tokenizer
 
     reqs = workloads.prose(args.num_requests, text_path=args.text)
     path = args.model or bundled_model_path()

@@ -21,7 +21,7 @@ import json
 
 import torch
 
-from benchmarks import common, workloads
+from pagedserve.benchmarks import common, workloads
 
 # Runs in the tree under test (this one or a baseline commit's worktree): public API only. The weight bytes come
 # from an internal helper where the tree has one (else they are not reported).
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64, help="decode steps of the single stream, outputs in the batch")
     args = ap.parse_args(argv)
-    from engine.config import resolve_dtype
+    from pagedserve.engine.config import resolve_dtype
 
     formats = [f.strip() for f in args.formats.split(",")]
     dtypes = []  # resolved here, so every tree runs the same dtype

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from benchmarks import common
+from pagedserve.benchmarks import common
 
 WORKER = r"""
 import json, sys
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.baseline_ref:
         ap.error("--baseline-ref is required: the commit to compare with")
-    from benchmarks.workloads import load_words
+    from pagedserve.benchmarks.workloads import load_words
 
     words = " ".join(load_words()[2000:2800])
     print(common.machine_header(), flush=True)

@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from benchmarks import common, workloads
-from benchmarks.metrics import (
+from pagedserve.benchmarks import common, workloads
+from pagedserve.benchmarks.metrics import (
     SLO_KEYS,
     RequestRecord,
     best_point,

@@ -25,9 +25,9 @@ import time
 
 import httpx
 
-from benchmarks import common, workloads
-from benchmarks import serve as bench
-from benchmarks.offline_throughput import run_offline
+from pagedserve.benchmarks import common, workloads
+from pagedserve.benchmarks import serve as bench
+from pagedserve.benchmarks.offline_throughput import run_offline
 
 
 def free_port() -> int:

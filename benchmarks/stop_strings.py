@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import platform
 
-from benchmarks import common
-from engine.tokenizer import StopStringMatcher
+from pagedserve.benchmarks import common
+from pagedserve.engine.tokenizer import StopStringMatcher
 
 
 class RescanMatcher:

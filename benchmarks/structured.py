@@ -16,9 +16,9 @@ import statistics
 
 import torch
 
-from benchmarks import common, workloads
-from engine import LLM, SamplingParams
-from engine.structured import JSON_STYLE, StructuredSpec, apply_constraints
+from pagedserve.benchmarks import common, workloads
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.structured import JSON_STYLE, StructuredSpec, apply_constraints
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
           "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0,

@@ -7,7 +7,7 @@ import os
 import random
 from dataclasses import dataclass
 
-from engine.config import bundled_text_path
+from pagedserve.engine.config import bundled_text_path
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.config import opt
-from engine.errors import InvalidRequestError
-from engine.llm_engine import EngineStats, LLMEngine
-from engine.output_processor import RequestOutput
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config import opt
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.llm_engine import EngineStats, LLMEngine
+from pagedserve.engine.output_processor import RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from engine.sequence import Sequence
+from pagedserve.engine.sequence import Sequence
 
 # Per-process secret root of every digest chain: block keys cannot be predicted, or precomputed for a
 # collision, by anyone outside this process.

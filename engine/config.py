@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine.errors import ModelLoadError
+from pagedserve.engine.errors import ModelLoadError
 
 # Hugging Face `model_type` (GGUF `general.architecture`) -> the architecture that serves it
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -130,7 +130,7 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device, kernel_policy: 
         return table[name]
     if name != "auto":
         raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {name!r}")
-    from engine.layers.dispatch import auto_dtype
+    from pagedserve.engine.layers.dispatch import auto_dtype
 
     return auto_dtype(device, kernel_policy)
 

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.machine import cache_dir, cpu
+from pagedserve.engine.machine import cache_dir, cpu
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import logging
 
 import torch
 
-from engine.attention.base import AttentionMetadata
-from engine.attention.triton_paged import TritonPagedAttention, num_kv_splits
-from engine.models.llama import LlamaModel
+from pagedserve.engine.attention.base import AttentionMetadata
+from pagedserve.engine.attention.triton_paged import TritonPagedAttention, num_kv_splits
+from pagedserve.engine.models.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 

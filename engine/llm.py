@@ -7,11 +7,11 @@ import logging
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
-from engine.config import make_config
-from engine.llm_engine import LLMEngine
-from engine.output_processor import RequestMetrics
-from engine.sampler import TokenLogprob
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config import make_config
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.output_processor import RequestMetrics
+from pagedserve.engine.sampler import TokenLogprob
+from pagedserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

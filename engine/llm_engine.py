@@ -13,25 +13,25 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import allocator
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, make_config, resolve_dtype
-from engine.errors import ContextLengthExceededError, InvalidRequestError
-from engine.layers.dispatch import kernel_table
-from engine.model_runner import ModelRunner, StepInput
-from engine.models.llama import LlamaModel
-from engine.models.loader import build_model, load_config
-from engine.models.resolver import resolve_model
-from engine.output_processor import OutputProcessor, RequestOutput, RequestState
-from engine.quant.loading import QuantSpec
-from engine.sampler import SampleRequest
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from engine.spec_decode import SpecStats, build_speculator
-from engine.step_cost import StepCostModel, StepShape
-from engine.structured import StructuredOutputs
-from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, apply_chat_template, load_tokenizer
+from pagedserve.engine import allocator
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.config import EngineConfig, make_config, resolve_dtype
+from pagedserve.engine.errors import ContextLengthExceededError, InvalidRequestError
+from pagedserve.engine.layers.dispatch import kernel_table
+from pagedserve.engine.model_runner import ModelRunner, StepInput
+from pagedserve.engine.models.llama import LlamaModel
+from pagedserve.engine.models.loader import build_model, load_config
+from pagedserve.engine.models.resolver import resolve_model
+from pagedserve.engine.output_processor import OutputProcessor, RequestOutput, RequestState
+from pagedserve.engine.quant.loading import QuantSpec
+from pagedserve.engine.sampler import SampleRequest
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.spec_decode import SpecStats, build_speculator
+from pagedserve.engine.step_cost import StepCostModel, StepShape
+from pagedserve.engine.structured import StructuredOutputs
+from pagedserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -8,15 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, get_backend
-from engine.config import EngineConfig, ModelConfig, dtype_size
-from engine.layers.dispatch import KernelTable, kernel_table
-from engine.layers.fused_decode import FusedDecoder
-from engine.models.llama import LlamaModel
-from engine.prompt_logprobs import prompt_logprobs
-from engine.rejection_sampler import verify_batch
-from engine.sampler import Sampler, SampleRequest, TokenLogprob
-from engine.sequence import Sequence
+from pagedserve.engine.attention import AttentionMetadata, get_backend
+from pagedserve.engine.config import EngineConfig, ModelConfig, dtype_size
+from pagedserve.engine.layers.dispatch import KernelTable, kernel_table
+from pagedserve.engine.layers.fused_decode import FusedDecoder
+from pagedserve.engine.models.llama import LlamaModel
+from pagedserve.engine.prompt_logprobs import prompt_logprobs
+from pagedserve.engine.rejection_sampler import verify_batch
+from pagedserve.engine.sampler import Sampler, SampleRequest, TokenLogprob
+from pagedserve.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class ModelRunner:
             self.graph_runner = self._capture_graphs()
 
     def _capture_graphs(self):
-        from engine.graph_runner import DecodeGraphRunner
+        from pagedserve.engine.graph_runner import DecodeGraphRunner
 
         max_len = self.config.max_model_len or self.model_config.max_position_embeddings
         max_len = min(max_len, self.kv_capacity_tokens)

@@ -14,9 +14,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.sampler import SampleRequest, TokenLogprob
-from engine.sequence import Sequence, SequenceStatus
-from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
+from pagedserve.engine.sampler import SampleRequest, TokenLogprob
+from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import TokenLogprob
+from pagedserve.engine.sampler import TokenLogprob
 
 ROWS_PER_SLICE = 256  # bounds the fp32 [rows, vocab] logits held at once
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import SampleRequest, top_k_top_p
+from pagedserve.engine.sampler import SampleRequest, top_k_top_p
 
 
 def target_logits(logits: torch.Tensor, draft: list[int], req: SampleRequest) -> torch.Tensor:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.structured import TokenConstraint, apply_constraints
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.structured import TokenConstraint, apply_constraints
 
 
 @dataclass(slots=True)

@@ -22,10 +22,10 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.sequence import Sequence, SequenceStatus
-from engine.step_cost import StepCostModel
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.step_cost import StepCostModel
 
 MIN_PREFILL_TOKENS = 32  # per step, whatever the time target: prompts always advance
 # ... and with the default target (twice the decodes' cost), at least this many: with few streams running,

@@ -10,7 +10,7 @@ import shutil
 from collections import deque
 from typing import Any
 
-from engine.errors import ModelLoadError
+from pagedserve.engine.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

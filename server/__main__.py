@@ -1,3 +1,3 @@
-from server.cli import main
+from pagedserve.server.cli import main
 
 main()

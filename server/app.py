@@ -21,13 +21,13 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import AsyncEngine
-from engine.llm_engine import EngineStats, LLMEngine
-from server.config import ServerConfig
-from server.connections import protocol_class
-from server.guards import ApiKeyAuth, BodyLimit
-from server.metrics import Metrics
-from server.protocol import (
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.llm_engine import EngineStats, LLMEngine
+from pagedserve.server.config import ServerConfig
+from pagedserve.server.connections import protocol_class
+from pagedserve.server.guards import ApiKeyAuth, BodyLimit
+from pagedserve.server.metrics import Metrics
+from pagedserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -38,7 +38,7 @@ from server.protocol import (
     error_body,
     now,
 )
-from server.serving import ENGINE_DEAD, APIError, ChatEndpoint, CompletionEndpoint, Serving
+from pagedserve.server.serving import ENGINE_DEAD, APIError, ChatEndpoint, CompletionEndpoint, Serving
 
 logger = logging.getLogger(__name__)
 

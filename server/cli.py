@@ -33,7 +33,7 @@ def options(args: argparse.Namespace, cls: type) -> dict:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pagedserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
     add_options(p, EngineConfig, "engine")
     add_options(p, SchedulerConfig, "scheduler")
@@ -41,7 +41,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args: argparse.Namespace):
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pagedserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
     return EngineConfig(**options(args, EngineConfig), cache=CacheConfig(**options(args, CacheConfig)),
                         scheduler=SchedulerConfig(**options(args, SchedulerConfig)))
@@ -50,13 +50,13 @@ def _engine_config(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from engine.async_engine import AdmissionLimits
-    from engine.errors import ModelLoadError
-    from engine.llm_engine import LLMEngine
-    from engine.models.loader import load_config
-    from engine.models.resolver import resolve_model
-    from server.app import create_app, uvicorn_config
-    from server.config import ServerConfig
+    from pagedserve.engine.async_engine import AdmissionLimits
+    from pagedserve.engine.errors import ModelLoadError
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.models.loader import load_config
+    from pagedserve.engine.models.resolver import resolve_model
+    from pagedserve.server.app import create_app, uvicorn_config
+    from pagedserve.server.config import ServerConfig
 
     config = _engine_config(args)
     server = ServerConfig(**options(args, ServerConfig), limits=AdmissionLimits(**options(args, AdmissionLimits)))
@@ -114,9 +114,9 @@ def _is_loopback(host: str) -> bool:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from engine.tokenizer import apply_chat_template
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.engine.tokenizer import apply_chat_template
 
     engine = LLMEngine(_engine_config(args))
     tok = engine.tokenizer
@@ -187,23 +187,23 @@ def cmd_chat(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":  # the load tester owns its whole argument list
-        from benchmarks.serve import main as bench_main
+        from pagedserve.benchmarks.serve import main as bench_main
 
         bench_main(argv[1:])
         return
     if argv and argv[0] in ("eval", "plan"):  # quality harness / memory planner: their own argument lists
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if argv[0] == "eval":
-            from engine.quant.eval import main as sub_main
+            from pagedserve.engine.quant.eval import main as sub_main
         else:
-            from engine.quant.plan import main as sub_main
+            from pagedserve.engine.quant.plan import main as sub_main
         sub_main(argv[1:])
         return
     ap = argparse.ArgumentParser(prog="pagedserve", description="A small, fast LLM serving engine.")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    from engine.async_engine import AdmissionLimits
-    from server.config import ServerConfig
+    from pagedserve.engine.async_engine import AdmissionLimits
+    from pagedserve.server.config import ServerConfig
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _engine_args(p)

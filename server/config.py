@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.async_engine import AdmissionLimits
-from engine.config import opt
+from pagedserve.engine.async_engine import AdmissionLimits
+from pagedserve.engine.config import opt
 
 
 @dataclass

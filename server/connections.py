@@ -20,7 +20,7 @@ import time
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.protocol import error_body
+from pagedserve.server.protocol import error_body
 
 RETRY_AFTER_S = 1  # a refused connection may retry at once: idle ones are reaped as they expire
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from pagedserve.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 TokenId = Annotated[int, Field(ge=0)]  # and below the vocabulary's size, which the engine checks (400)
 Text = Annotated[str, Field(min_length=1)]

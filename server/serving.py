@@ -20,13 +20,13 @@ from typing import Any
 
 from fastapi import Request
 
-from engine.async_engine import AsyncEngine, EngineDeadError, OverloadedError, RequestStream
-from engine.errors import InvalidRequestError
-from engine.output_processor import RequestOutput
-from engine.sampler import TokenLogprob
-from engine.sampling_params import SamplingParams
-from server.guards import TENANT_KEY
-from server.protocol import (
+from pagedserve.engine.async_engine import AsyncEngine, EngineDeadError, OverloadedError, RequestStream
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.output_processor import RequestOutput
+from pagedserve.engine.sampler import TokenLogprob
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.server.guards import TENANT_KEY
+from pagedserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -46,8 +46,8 @@ from server.protocol import (
     new_id,
     now,
 )
-from server.structured import logit_bias, structured_spec
-from server.tools import ToolCallParser, parse_tool_calls, render_messages, resolve_tool_choice, tool_grammar
+from pagedserve.server.structured import logit_bias, structured_spec
+from pagedserve.server.tools import ToolCallParser, parse_tool_calls, render_messages, resolve_tool_choice, tool_grammar
 
 logger = logging.getLogger(__name__)
 ENGINE_DEAD = "the engine loop died (see the server log)"  # no exception text reaches a client

@@ -13,16 +13,16 @@ if not torch.cuda.is_available():  # Triton kernels run interpreted on the CPU; 
 # A C++ kernel that does not build fails the run (it never turns into skipped tests or a quietly slower path),
 # and the dispatch table's timing probes are pinned: the same routes on every run, whatever the machine's load.
 os.environ["PAGEDSERVE_REQUIRE_KERNELS"] = "1"
-from engine.machine import cpu  # noqa: E402
+from pagedserve.engine.machine import cpu  # noqa: E402
 
 os.environ.setdefault("PAGEDSERVE_KERNEL_POLICY", f"auto_bf16={'on' if cpu().native_bf16 else 'off'},"
                       "prepack_fp32=on,torch_int_bf16=on")
 
-from engine import LLMEngine, SamplingParams, make_config  # noqa: E402
-from engine.config import ModelConfig, bundled_model_path  # noqa: E402
-from engine.models.llama import LlamaModel  # noqa: E402
-from engine.models.loader import build_model, load_config  # noqa: E402
-from engine.tokenizer import load_tokenizer  # noqa: E402
+from pagedserve.engine import LLMEngine, SamplingParams, make_config  # noqa: E402
+from pagedserve.engine.config import ModelConfig, bundled_model_path  # noqa: E402
+from pagedserve.engine.models.llama import LlamaModel  # noqa: E402
+from pagedserve.engine.models.loader import build_model, load_config  # noqa: E402
+from pagedserve.engine.tokenizer import load_tokenizer  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -138,7 +138,7 @@ def drive(scheduler, ops, step, min_prompt: int = 1, steps_to_drain: int = 20_00
     op add / abort / anything else = one `step()`), then step until idle. Asserts what must hold for any
     interleaving: nothing gets stuck, no block leaks, the block manager's books balance, and every request
     not aborted ends by EOS or at exactly max_tokens. Returns (sequences, ids of the aborted ones)."""
-    from engine.sequence import Sequence, SequenceStatus
+    from pagedserve.engine.sequence import Sequence, SequenceStatus
 
     bm = scheduler.block_manager
     capacity = bm.num_blocks * bm.block_size

@@ -11,7 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_tune_sets_huge_pages_unless_the_user_chose(monkeypatch):
-    from engine import allocator
+    from pagedserve.engine import allocator
 
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     allocator.use_huge_pages()
@@ -23,14 +23,16 @@ def test_tune_sets_huge_pages_unless_the_user_chose(monkeypatch):
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt thresholds are glibc's")
 def test_glibc_takes_the_thresholds():
-    from engine import allocator
+    from pagedserve.engine import allocator
 
     assert allocator._keep_freed_blocks()
 
 
 def test_importing_the_engine_changes_nothing():
-    """`import engine` (and its allocator module) sets no variable, loads no torch extension, imports no torch."""
-    code = ("import os, sys; before = dict(os.environ); import engine, engine.allocator; "
+    """`import pagedserve` (its engine and allocator modules too) sets no variable, loads no torch extension, imports
+    no torch."""
+    code = ("import os, sys; before = dict(os.environ); "
+            "import pagedserve, pagedserve.engine, pagedserve.engine.allocator; "
             "assert dict(os.environ) == before, 'environment changed'; "
             "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}

@@ -27,9 +27,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from benchmarks import serve
-from benchmarks.metrics import LATENCY_METRICS, STATS
-from benchmarks.serve import BenchError, build_parser, main, run_benchmark
+from pagedserve.benchmarks import serve
+from pagedserve.benchmarks.metrics import LATENCY_METRICS, STATS
+from pagedserve.benchmarks.serve import BenchError, build_parser, main, run_benchmark
 
 CHUNK_SLEEP_S = 0.002
 

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from benchmarks.metrics import (
+from pagedserve.benchmarks.metrics import (
     LATENCY_METRICS,
     STATS,
     RequestRecord,

@@ -2,9 +2,9 @@
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.sequence import Sequence
 
 
 def seq(ids, sid=0):
@@ -75,7 +75,7 @@ def test_never_a_full_hit():
 
 
 def test_hash_collision_is_caught_by_token_compare(monkeypatch):
-    import engine.block_manager as mod
+    import pagedserve.engine.block_manager as mod
 
     monkeypatch.setattr(mod, "block_digest", lambda parent, tokens: b"42")  # everything collides
     bm = BlockManager(8, 4)
@@ -164,7 +164,7 @@ def test_reset_prefix_cache_keeps_live_blocks():
 def test_parent_chain_collision_attempt(monkeypatch):
     """A digest that ignored the parent (the CVE-2025-25183 class) still cannot make a block hit out of
     context: a hit also needs the block's recorded parent digest, not just its own tokens."""
-    import engine.block_manager as mod
+    import pagedserve.engine.block_manager as mod
 
     monkeypatch.setattr(mod, "block_digest", lambda parent, tokens: hash(tokens).to_bytes(8, "little", signed=True))
     bm = BlockManager(16, 4)
@@ -176,7 +176,7 @@ def test_parent_chain_collision_attempt(monkeypatch):
 
 
 def test_digests_chain_the_whole_prefix_and_are_computed_once(monkeypatch):
-    import engine.block_manager as mod
+    import pagedserve.engine.block_manager as mod
 
     real, calls = mod.block_digest, []
     monkeypatch.setattr(mod, "block_digest", lambda parent, tokens: calls.append(tokens) or real(parent, tokens))
@@ -206,7 +206,8 @@ def mod_root_differs() -> bool:
     import subprocess
     import sys
 
-    code = "from engine.block_manager import block_digest, root_digest; print(block_digest(root_digest(), (1,)).hex())"
+    code = ("from pagedserve.engine.block_manager import block_digest, root_digest; "
+            "print(block_digest(root_digest(), (1,)).hex())")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
             for _ in range(2)}
     return len(outs) == 2

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from test_server import MODEL, running_server
 
-from engine.async_engine import AdmissionLimits
+from pagedserve.engine.async_engine import AdmissionLimits
 
 
 def _response(sock: socket.socket) -> bytes:

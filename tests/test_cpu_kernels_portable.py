@@ -12,20 +12,20 @@ import sys
 
 import pytest
 
-from engine.machine import cpu
+from pagedserve.engine.machine import cpu
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHECK = r"""
 import sys
-from engine import cpu_kernels
+from pagedserve.engine import cpu_kernels
 cpu_kernels.CFLAGS = [f"-march={sys.argv[1]}" if f.startswith("-march") else f for f in cpu_kernels.CFLAGS]
 assert cpu_kernels.load(), "the kernels did not build"
 import torch
 import torch.nn.functional as F
-from engine.layers.dispatch import KernelTable
-from engine.layers.linear import Linear
-from engine.quant.formats import quantize
+from pagedserve.engine.layers.dispatch import KernelTable
+from pagedserve.engine.layers.linear import Linear
+from pagedserve.engine.quant.formats import quantize
 torch.manual_seed(0)
 table = KernelTable(cpp=True)
 gemv_max = table.quant_gemv_max_rows

@@ -12,11 +12,11 @@ import pytest
 import torch
 from conftest import greedy, record_comparison, run_to_completion
 
-from engine.attention import cpu_paged as cp
-from engine.attention import get_backend
-from engine.attention import torch_paged as ref
-from engine.attention.base import AttentionMetadata
-from engine.layers.dispatch import KernelTable
+from pagedserve.engine.attention import cpu_paged as cp
+from pagedserve.engine.attention import get_backend
+from pagedserve.engine.attention import torch_paged as ref
+from pagedserve.engine.attention.base import AttentionMetadata
+from pagedserve.engine.layers.dispatch import KernelTable
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
 
@@ -123,7 +123,7 @@ def test_padding_slots_are_not_stored(kernel):
 
 
 def test_compile_failure_falls_back_to_the_reference_or_fails_when_required(monkeypatch, tmp_path, caplog):
-    from engine import cpu_kernels
+    from pagedserve.engine import cpu_kernels
 
     (tmp_path / "csrc").mkdir()
     (tmp_path / "csrc" / "broken.cpp").write_text("#error this does not compile\n")

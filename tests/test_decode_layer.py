@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.cpu_paged import CpuPagedAttention
-from engine.config import ModelConfig
-from engine.layers.dispatch import kernel_table
-from engine.layers.fused_decode import FusedDecoder
-from engine.layers.linear import select_kernels
-from engine.model_runner import HostBatch
-from engine.models.llama import LlamaModel
-from engine.quant.loading import QuantSpec, quantize_model
+from pagedserve.engine.attention.cpu_paged import CpuPagedAttention
+from pagedserve.engine.config import ModelConfig
+from pagedserve.engine.layers.dispatch import kernel_table
+from pagedserve.engine.layers.fused_decode import FusedDecoder
+from pagedserve.engine.layers.linear import select_kernels
+from pagedserve.engine.model_runner import HostBatch
+from pagedserve.engine.models.llama import LlamaModel
+from pagedserve.engine.quant.loading import QuantSpec, quantize_model
 
 BLOCK = 16
 CPU = torch.device("cpu")

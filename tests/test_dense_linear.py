@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.dispatch import KernelTable
-from engine.layers.linear import Linear
+from pagedserve.engine.layers.dispatch import KernelTable
+from pagedserve.engine.layers.linear import Linear
 
 # relative error of the whole output against an fp32 reference: fp32 differs by summation order only; bf16 and
 # fp16 round the output once (2^-9 and 2^-12 relative at most), plus the fp32 sums

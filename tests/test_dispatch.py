@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from engine.layers import dispatch
-from engine.machine import Cpu, parse_cpuinfo
+from pagedserve.engine.layers import dispatch
+from pagedserve.engine.machine import Cpu, parse_cpuinfo
 
 AVX512_NO_BF16 = frozenset("fpu sse2 avx2 fma avx512f avx512bw avx512vl avx512_vnni".split())
 ZEN4 = AVX512_NO_BF16 | {"avx512_bf16"}
@@ -111,8 +111,8 @@ def test_probe_results_are_cached_per_machine(monkeypatch, tmp_path):
 
 
 def test_fp32_model_follows_the_pinned_packing():
-    from engine.layers.linear import Linear
-    from engine.models.loader import build_model, load_config
+    from pagedserve.engine.layers.linear import Linear
+    from pagedserve.engine.models.loader import build_model, load_config
 
     cfg = load_config("random:tiny")
     for pack in (False, True):

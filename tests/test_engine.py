@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import greedy, record_comparison, run_to_completion
 
-from benchmarks.workloads import load_words
-from engine import (
+from pagedserve.benchmarks.workloads import load_words
+from pagedserve.engine import (
     ContextLengthExceededError,
     InvalidRequestError,
     LLMEngine,
@@ -138,7 +138,7 @@ def test_memory_budget_sizes_the_cache(make_engine):
 
 def test_gpu_kv_budget_leaves_room_for_the_profiled_step():
     """The GPU pool: at most 90 % of the GPU in use, minus what is in use now and the largest step's peak."""
-    from engine.model_runner import gpu_kv_budget
+    from pagedserve.engine.model_runner import gpu_kv_budget
 
     gib = 2**30
     assert gpu_kv_budget(free=100 * gib, total=140 * gib, activations=3 * gib) == 100 * gib - 14 * gib - 3 * gib
@@ -191,7 +191,7 @@ def test_bad_requests_then_engine_still_serves(make_engine):
 
 
 def test_unknown_model_and_architecture(tmp_path):
-    with pytest.raises(ModelLoadError, match="not a .gguf file"):
+    with pytest.raises(ModelLoadError, match="no such file or directory"):
         LLMEngine(make_config(model=str(tmp_path / "nope")))
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(ModelLoadError, match="unsupported architecture"):
@@ -238,7 +238,7 @@ def test_seeded_sampling_is_reproducible(make_engine):
 
 
 def test_offline_llm_generate(make_engine):
-    from engine import LLM
+    from pagedserve.engine import LLM
 
     llm = LLM(engine=make_engine(num_blocks=64))
     results = llm.generate(["The capital of France is", [504, 3575]], SamplingParams(max_tokens=6, temperature=0))
@@ -273,7 +273,7 @@ def test_stop_string_on_the_last_allowed_token_is_stop(make_engine, smollm):
 
 
 def test_generate_validates_every_prompt_before_queueing_any(make_engine):
-    from engine import LLM
+    from pagedserve.engine import LLM
 
     engine = make_engine(num_blocks=64)
     llm = LLM(engine=engine)
@@ -289,7 +289,7 @@ def test_generate_validates_every_prompt_before_queueing_any(make_engine):
 
 
 def test_generate_aborts_what_it_queued_when_interrupted(make_engine):
-    from engine import LLM
+    from pagedserve.engine import LLM
 
     engine = make_engine(num_blocks=64)
     llm = LLM(engine=engine)

@@ -12,7 +12,7 @@ import openai
 import pytest
 from test_server import MODEL, _wait_idle, running_server
 
-from engine.async_engine import AdmissionLimits
+from pagedserve.engine.async_engine import AdmissionLimits
 
 KEYS = ("sk-alpha-0001", "sk-beta-0002")
 AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
@@ -264,7 +264,7 @@ def test_cli_refuses_a_public_address_without_a_key(tmp_path):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_API_KEY"}
-    out = subprocess.run([sys.executable, "-m", "server", "serve", "--host", "0.0.0.0", "--port", "1"],
+    out = subprocess.run([sys.executable, "-m", "pagedserve.server", "serve", "--host", "0.0.0.0", "--port", "1"],
                          capture_output=True, text=True, timeout=120, env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode != 0 and "refusing to serve on 0.0.0.0 without an API key" in out.stderr

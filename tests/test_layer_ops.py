@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
-from engine.layers.activation import SiluAndMul
-from engine.layers.dispatch import KernelTable
-from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from pagedserve.engine.config import ModelConfig
+from pagedserve.engine.layers.activation import SiluAndMul
+from pagedserve.engine.layers.dispatch import KernelTable
+from pagedserve.engine.layers.norm import RMSNorm
+from pagedserve.engine.layers.rotary import RotaryEmbedding
 
 CPU = torch.device("cpu")
 # fp32: accumulation order only; bf16: the fused ops round where the PyTorch path rounds, so at most one

@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import run_to_completion
 
-from engine import LLMEngine, SamplingParams, make_config
-from engine.models.loader import load_config
+from pagedserve.engine import LLMEngine, SamplingParams, make_config
+from pagedserve.engine.models.loader import load_config
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
@@ -57,7 +57,7 @@ def test_logits_and_greedy_match_transformers(tmp_path, case):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     runner = engine.runner
-    from engine.sequence import Sequence
+    from pagedserve.engine.sequence import Sequence
 
     seq = Sequence(0, "x", ids, SamplingParams(max_tokens=1), 1)
     engine.block_manager.allocate(seq, len(ids))

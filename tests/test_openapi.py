@@ -13,7 +13,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import status_code_conformance
 from test_server import running_server
 
-from engine import LLMEngine, make_config
+from pagedserve.engine import LLMEngine, make_config
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,11 @@ held with their text, prompt logprobs once, finish reasons, and what an abort re
 
 from __future__ import annotations
 
-from engine.output_processor import OutputProcessor, RequestState
-from engine.sampler import SampleRequest, TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus
-from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
+from pagedserve.engine.output_processor import OutputProcessor, RequestState
+from pagedserve.engine.sampler import SampleRequest, TokenLogprob
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 PIECES = {1: "He", 2: "llo", 3: " wo", 4: "rld", 5: "!", 6: " S", 7: "TO", 8: "P", 9: " more"}
 

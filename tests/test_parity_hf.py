@@ -3,7 +3,7 @@
 import torch
 from conftest import greedy, record_comparison
 
-from engine.tokenizer import apply_chat_template
+from pagedserve.engine.tokenizer import apply_chat_template
 
 LOGIT_PROMPTS = [
     "The quick brown fox jumps over the lazy dog because",
@@ -32,7 +32,7 @@ def test_logits_match_transformers(make_engine, hf_model, smollm):
         with torch.no_grad():
             ref = hf_model(torch.tensor([ids])).logits[0]
         # prefill through the engine's own runner path, then every position's logits
-        from engine.sequence import Sequence
+        from pagedserve.engine.sequence import Sequence
 
         seq = Sequence(0, "p", ids, greedy(1), 1)
         engine.block_manager.allocate(seq, len(ids))
@@ -77,8 +77,8 @@ def test_bf16_greedy_matches_transformers_bf16(smollm):
     from conftest import NEAR_TIES, compare_greedy, run_to_completion
     from transformers import AutoModelForCausalLM
 
-    from engine import LLMEngine, make_config
-    from engine.models.loader import build_model
+    from pagedserve.engine import LLMEngine, make_config
+    from pagedserve.engine.models.loader import build_model
 
     folder, name = os.path.split(smollm.path)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16).eval()

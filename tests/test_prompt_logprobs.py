@@ -11,8 +11,8 @@ import torch
 from conftest import run_to_completion
 from test_server import MODEL, running_server
 
-from engine import SamplingParams
-from engine.errors import InvalidRequestError
+from pagedserve.engine import SamplingParams
+from pagedserve.engine.errors import InvalidRequestError
 
 PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
           "want of a wife. However little known the feelings or views of such a man may be")
@@ -21,8 +21,8 @@ PROMPT = ("It is a truth universally acknowledged, that a single man in possessi
 @pytest.fixture(scope="module")
 def reference(smollm):
     """log p(token t+1 | tokens <= t) from one fresh forward pass of the engine's model over the whole prompt."""
-    from engine.attention import get_backend
-    from engine.model_runner import HostBatch
+    from pagedserve.engine.attention import get_backend
+    from pagedserve.engine.model_runner import HostBatch
 
     ids = smollm.tokenizer.encode(PROMPT)
     model = smollm.model

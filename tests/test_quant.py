@@ -7,14 +7,21 @@ import numpy as np
 import pytest
 import torch
 
-from engine.layers.dispatch import KernelTable, kernel_table
-from engine.layers.linear import Linear
-from engine.machine import cpu
-from engine.quant.formats import FORMATS, cat, default_group_size, quantize, relative_error
-from engine.quant.int4 import Int4Weight
-from engine.quant.int8 import Int8Weight
-from engine.quant.layouts import from_panels, int8_from_panels, int8_to_panels, pack_nibbles, to_panels, unpack_nibbles
-from engine.quant.nf4 import NF4_LEVELS, NF4Weight
+from pagedserve.engine.layers.dispatch import KernelTable, kernel_table
+from pagedserve.engine.layers.linear import Linear
+from pagedserve.engine.machine import cpu
+from pagedserve.engine.quant.formats import FORMATS, cat, default_group_size, quantize, relative_error
+from pagedserve.engine.quant.int4 import Int4Weight
+from pagedserve.engine.quant.int8 import Int8Weight
+from pagedserve.engine.quant.layouts import (
+    from_panels,
+    int8_from_panels,
+    int8_to_panels,
+    pack_nibbles,
+    to_panels,
+    unpack_nibbles,
+)
+from pagedserve.engine.quant.nf4 import NF4_LEVELS, NF4Weight
 
 ACT_DTYPES = [torch.float32] + ([torch.bfloat16] if cpu().native_bf16 else [])
 TABLE = KernelTable()
@@ -189,7 +196,7 @@ def test_fused_rows():
 def _gguf_tensor(kind: str):
     import gguf
 
-    from engine.config import bundled_model_path
+    from pagedserve.engine.config import bundled_model_path
 
     reader = gguf.GGUFReader(bundled_model_path())
     return next(t for t in reader.tensors if t.tensor_type.name == kind and len(t.shape) == 2)
@@ -200,7 +207,7 @@ def test_gguf_blocks_map_directly(kind):
     """The bundled GGUF's own Q4_1 projection / Q8_0 embedding, as our storage, equals gguf's dequantize."""
     import gguf
 
-    from engine.quant.loading import GGUFBlocks
+    from pagedserve.engine.quant.loading import GGUFBlocks
 
     t = _gguf_tensor(kind)
     shape = (int(t.shape[1]), int(t.shape[0]))
@@ -228,7 +235,7 @@ def test_gguf_blocks_map_directly(kind):
 
 
 def test_q4_blocks_need_group_32():
-    from engine.quant.loading import GGUFBlocks
+    from pagedserve.engine.quant.loading import GGUFBlocks
 
     t = _gguf_tensor("Q4_1")
     blocks = GGUFBlocks("Q4_1", np.asarray(t.data), (int(t.shape[1]), int(t.shape[0])))
@@ -246,9 +253,9 @@ def test_int8_tensor_scale_per_original_matrix():
 
 @pytest.fixture(scope="module")
 def int8_engine(smollm):
-    from engine import LLMEngine, make_config
-    from engine.models.loader import build_model
-    from engine.quant.loading import QuantSpec
+    from pagedserve.engine import LLMEngine, make_config
+    from pagedserve.engine.models.loader import build_model
+    from pagedserve.engine.quant.loading import QuantSpec
 
     model = build_model(smollm.path, smollm.config, torch.float32, torch.device("cpu"), 4096, quant=QuantSpec("int8"))
     cfg = make_config(model=smollm.path, dtype="float32", device="cpu", num_blocks=256, max_model_len=4096)
@@ -261,8 +268,8 @@ def test_int8_engine_agrees_with_unquantized(make_engine, int8_engine, smollm, c
     its free-running greedy text must start the same way."""
     from conftest import run_to_completion
 
-    from engine import SamplingParams
-    from engine.models.loader import weight_bytes
+    from pagedserve.engine import SamplingParams
+    from pagedserve.engine.models.loader import weight_bytes
 
     model = int8_engine.runner.model
     assert isinstance(model.layers[0].mlp.down_proj.qweight, Int8Weight) and model.lm_head.qweight is not None
@@ -315,7 +322,7 @@ def test_hf_directory_quantized_on_load(tmp_path, fmt, kind, extra):
     biases stay dense, the LM head follows --quantize-lm-head, and the engine generates."""
     from test_models import _hf_checkpoint
 
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     hf = _hf_checkpoint(tmp_path, kind, **extra)
     llm = LLM(str(tmp_path), quantization=fmt, dtype="float32", num_blocks=32, quantize_lm_head=True)

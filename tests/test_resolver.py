@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.errors import ModelLoadError
-from engine.models.resolver import resolve_model
+from pagedserve.engine.errors import ModelLoadError
+from pagedserve.engine.models.resolver import resolve_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -96,8 +96,9 @@ def test_serve_by_repo_id_offline_through_the_openai_client(tmp_path, tiny_hf_di
     hub_repo(home, "org/tiny-chat", {p.name: p for p in tiny_hf_dir.iterdir()})
     port = _free_port()
     env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
-    server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", "org/tiny-chat", "--port",
-                               str(port), "--dtype", "float32", "--num-blocks", "64", "--log-level", "warning"],
+    server = subprocess.Popen([sys.executable, "-m", "pagedserve.server.cli", "serve", "--model", "org/tiny-chat",
+                               "--port", str(port), "--dtype", "float32", "--num-blocks", "64", "--log-level",
+                               "warning"],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for _ in range(600):
@@ -122,8 +123,8 @@ def test_a_model_that_cannot_load_ends_serve_before_the_port_is_bound(tmp_path):
     port = _free_port()
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
     for model in ("nonexistent/repo", str(tmp_path / "missing.gguf")):
-        out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port)],
-                             cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-m", "pagedserve.server.cli", "serve", "--model", model, "--port",
+                              str(port)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 1
         lines = [line for line in out.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("pagedserve: error:"), out.stderr

@@ -6,11 +6,11 @@ from conftest import EOS, drive
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import DEFAULT_PREFILL_MS_PER_TOKEN, Scheduler, admission_key
-from engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduler import DEFAULT_PREFILL_MS_PER_TOKEN, Scheduler, admission_key
+from pagedserve.engine.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, policy="continuous", prefix=True):

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from benchmarks.seed import (
+from pagedserve.benchmarks.seed import (
     batching,
     kv_cache,
     kv_memory,
@@ -108,7 +108,7 @@ def test_failed_check_exits_nonzero(tmp_path):
     timing checks are enforced (the default for a benchmark run)."""
     import argparse
 
-    from benchmarks.seed import common
+    from pagedserve.benchmarks.seed import common
 
     out = str(tmp_path / "out.json")
     with pytest.raises(SystemExit) as e:
@@ -123,7 +123,7 @@ def test_failed_check_exits_nonzero(tmp_path):
 
 def test_runs_as_script_and_module():
     for cmd in ([sys.executable, "benchmarks/seed/kv_memory.py", "--quick"],
-                [sys.executable, "-m", "benchmarks.seed.kv_memory", "--quick"]):
+                [sys.executable, "-m", "pagedserve.benchmarks.seed.kv_memory", "--quick"]):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "CHECK PASS" in proc.stdout

@@ -19,8 +19,8 @@ import uvicorn
 from conftest import run_to_completion
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.async_engine import AdmissionLimits
-from server.app import ServerConfig, create_app, uvicorn_config
+from pagedserve.engine.async_engine import AdmissionLimits
+from pagedserve.server.app import ServerConfig, create_app, uvicorn_config
 
 MODEL = "smollm2-test"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +81,7 @@ def test_chat_non_streaming_equals_offline_engine(client, make_engine, smollm):
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
     choice = resp.choices[0]
     assert resp.object == "chat.completion" and choice.message.role == "assistant"
-    from engine.tokenizer import apply_chat_template
+    from pagedserve.engine.tokenizer import apply_chat_template
 
     engine = make_engine(num_blocks=64)
     engine.add_request("x", apply_chat_template(smollm.tokenizer, messages),
@@ -401,7 +401,7 @@ def test_health_503_while_loading_and_after_engine_death(make_engine):
 
 def test_bench_against_live_pagedserve(make_engine, tmp_path, capsys):
     """`pagedserve bench` end to end: a tiny workload, every metric in the JSON; a 429 is counted."""
-    from server.cli import main as cli_main
+    from pagedserve.server.cli import main as cli_main
 
     engine = make_engine(num_blocks=256, max_num_seqs=4)
     with running_server(engine, AdmissionLimits(max_waiting_requests=2)) as (base, _):
@@ -446,8 +446,8 @@ def test_queued_token_limit(make_engine, smollm):
 
 def test_chat_cli_streams_a_reply(server):
     base, _ = server
-    out = subprocess.run([sys.executable, "-m", "server", "chat", "--base-url", f"{base}/v1", "--max-tokens", "8",
-                          "--temperature", "0"], input="Say hi\n\n", capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-m", "pagedserve.server", "chat", "--base-url", f"{base}/v1", "--max-tokens",
+                          "8", "--temperature", "0"], input="Say hi\n\n", capture_output=True, text=True, timeout=120,
                          cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert f"chatting with {MODEL}" in out.stdout

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from benchmarks.seed import speculative
+from pagedserve.benchmarks.seed import speculative
 
 pytestmark = pytest.mark.slow
 

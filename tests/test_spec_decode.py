@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams, make_config
-from engine.rejection_sampler import verify
-from engine.sampler import SampleRequest
-from engine.sequence import Sequence
-from engine.spec_decode.proposer import NgramProposer
-from engine.spec_decode.speculator import best_gamma, expected_tokens, speedup
-from engine.step_cost import StepCostModel, StepShape
+from pagedserve.engine import LLMEngine, SamplingParams, make_config
+from pagedserve.engine.rejection_sampler import verify
+from pagedserve.engine.sampler import SampleRequest
+from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.spec_decode.proposer import NgramProposer
+from pagedserve.engine.spec_decode.speculator import best_gamma, expected_tokens, speedup
+from pagedserve.engine.step_cost import StepCostModel, StepShape
 
 
 def chi2_critical(df: int, z: float = 3.09) -> float:

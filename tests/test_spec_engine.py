@@ -5,8 +5,8 @@ pressure or aborts; blocks return to baseline after every scenario."""
 import pytest
 from conftest import greedy, record_comparison, run_to_completion
 
-from benchmarks.workloads import load_words
-from engine.tokenizer import apply_chat_template
+from pagedserve.benchmarks.workloads import load_words
+from pagedserve.engine.tokenizer import apply_chat_template
 
 PASSAGE = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
            "want of a wife. However little known the feelings or views of such a man may be on his first entering "
@@ -142,7 +142,7 @@ def test_aborts_mid_speculation(make_engine, prompts, reference, method):
 
 def test_stop_string_inside_accepted_drafts(make_engine, prompts):
     """A stop string completed by an accepted draft ends the request there, as plain decoding does."""
-    from engine import SamplingParams
+    from pagedserve.engine import SamplingParams
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=["possession"])
     runs = []

@@ -7,11 +7,11 @@ from conftest import EOS, drive
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.sequence import Sequence, SequenceStatus
 
 VOCAB = 5
 

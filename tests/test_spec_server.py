@@ -11,8 +11,8 @@ from conftest import greedy, run_to_completion
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import MODEL, running_server
 
-from benchmarks.serve import scrape_spec_decode, spec_decode_delta
-from engine.tokenizer import apply_chat_template
+from pagedserve.benchmarks.serve import scrape_spec_decode, spec_decode_delta
+from pagedserve.engine.tokenizer import apply_chat_template
 
 PASSAGE = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
            "want of a wife.")

@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_scheduler import step
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import DEFAULT_MIN_PREFILL_TOKENS, MIN_PREFILL_TOKENS, Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from engine.step_cost import DEFAULT_TARGET_FACTOR, StepCostModel, StepShape
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduler import DEFAULT_MIN_PREFILL_TOKENS, MIN_PREFILL_TOKENS, Scheduler
+from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.step_cost import DEFAULT_TARGET_FACTOR, StepCostModel, StepShape
 
 
 def fitted(coef) -> StepCostModel:
@@ -121,7 +121,7 @@ def test_time_budget_keeps_the_scheduler_invariants(ops, num_blocks, block_size,
 
 def test_offline_llm_turns_the_step_time_target_off(monkeypatch):
     """LLM.generate returns everything at the end: no stream to protect, so no step-time target unless asked."""
-    from engine import llm as llm_module
+    from pagedserve.engine import llm as llm_module
 
     seen = []
 

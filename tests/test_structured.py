@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import run_to_completion
 
-from engine import SamplingParams
-from engine.errors import InvalidRequestError
-from engine.structured import StructuredOutputs, StructuredSpec, TokenConstraint, apply_constraints
+from pagedserve.engine import SamplingParams
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.structured import StructuredOutputs, StructuredSpec, TokenConstraint, apply_constraints
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -21,7 +21,7 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 
 def chat(tokenizer, text: str) -> list[int]:
-    from engine.tokenizer import apply_chat_template
+    from pagedserve.engine.tokenizer import apply_chat_template
 
     return apply_chat_template(tokenizer, [{"role": "user", "content": text}])
 

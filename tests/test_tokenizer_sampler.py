@@ -5,10 +5,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.errors import InvalidRequestError
-from engine.sampler import Sampler, SampleRequest, top_k_top_p
-from engine.sampling_params import MAX_STOP_STRING_CHARS, SamplingParams
-from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.sampler import Sampler, SampleRequest, top_k_top_p
+from pagedserve.engine.sampling_params import MAX_STOP_STRING_CHARS, SamplingParams
+from pagedserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 def test_incremental_detokenizer_equals_full_decode(smollm):

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from engine.errors import InvalidRequestError
-from server.tools import ToolCallParser, parse_tool_calls, render_messages, resolve_tool_choice, tool_grammar
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.server.tools import ToolCallParser, parse_tool_calls, render_messages, resolve_tool_choice, tool_grammar
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
@@ -102,7 +102,7 @@ HISTORY = [{"role": "user", "content": "2 + 3?"},
 
 
 def test_native_and_fallback_templates_render_tools_calls_and_results(smollm):
-    from engine.tokenizer import apply_chat_template
+    from pagedserve.engine.tokenizer import apply_chat_template
 
     native = copy.deepcopy(smollm.tokenizer)
     native.chat_template = NATIVE

@@ -19,11 +19,11 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from engine import LLMEngine, SamplingParams, make_config  # noqa: E402
-from engine.attention import get_backend  # noqa: E402
-from engine.attention import torch_paged as ref  # noqa: E402
-from engine.attention import triton_paged as tp  # noqa: E402
-from engine.attention.base import AttentionMetadata  # noqa: E402
+from pagedserve.engine import LLMEngine, SamplingParams, make_config  # noqa: E402
+from pagedserve.engine.attention import get_backend  # noqa: E402
+from pagedserve.engine.attention import torch_paged as ref  # noqa: E402
+from pagedserve.engine.attention import triton_paged as tp  # noqa: E402
+from pagedserve.engine.attention.base import AttentionMetadata  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # atol = rtol
@@ -209,7 +209,7 @@ def test_model_greedy_matches_torch_backend():
 
 def test_padded_decode_graph_buffers_match_eager():
     """The CUDA-graph path's static, padded buffers (eager here: no GPU) give the plain path's tokens."""
-    from engine.graph_runner import DecodeGraphRunner, graph_batch_sizes
+    from pagedserve.engine.graph_runner import DecodeGraphRunner, graph_batch_sizes
 
     assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
     prompts = [[list(range(5, 40)), [7] * 3, list(range(100, 130))]]  # 3 decoding rows, padded to 4
@@ -259,7 +259,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from engine.attention import triton_paged as tp
+from pagedserve.engine.attention import triton_paged as tp
 
 TYPES = {"slot_ptr": "*i64", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
          "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "scale_log2": "fp32", "first_seq": "i32"}

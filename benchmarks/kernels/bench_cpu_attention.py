@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks import common
-from engine.attention.base import AttentionMetadata
-from engine.attention.cpu_paged import CpuPagedAttention
-from engine.attention.torch_paged import TorchPagedAttention
-from engine.layers.dispatch import kernel_table
+from pagedserve.benchmarks import common
+from pagedserve.engine.attention.base import AttentionMetadata
+from pagedserve.engine.attention.cpu_paged import CpuPagedAttention
+from pagedserve.engine.attention.torch_paged import TorchPagedAttention
+from pagedserve.engine.layers.dispatch import kernel_table
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -17,8 +17,8 @@ import statistics
 
 import torch
 
-from benchmarks import common
-from engine import LLMEngine, SamplingParams, make_config
+from pagedserve.benchmarks import common
+from pagedserve.engine import LLMEngine, SamplingParams, make_config
 
 
 def decode_step_times(engine: LLMEngine, batch: int, prompt_len: int, steps: int, seed: int) -> list[float]:

@@ -15,8 +15,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks import common
-from engine import cpu_kernels
+from pagedserve.benchmarks import common
+from pagedserve.engine import cpu_kernels
 
 SMOLLM2 = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 

@@ -17,8 +17,8 @@ import itertools
 import statistics
 import sys
 
-from benchmarks import common, workloads
-from engine import LLM, SamplingParams
+from pagedserve.benchmarks import common, workloads
+from pagedserve.engine import LLM, SamplingParams
 
 
 def decode_ms(engine, batch: int, steps: int, tag: str) -> float:

@@ -17,10 +17,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmarks import common
-from engine.attention.base import AttentionMetadata
-from engine.attention.torch_paged import TorchPagedAttention
-from engine.attention.triton_paged import TritonPagedAttention, num_kv_splits
+from pagedserve.benchmarks import common
+from pagedserve.engine.attention.base import AttentionMetadata
+from pagedserve.engine.attention.torch_paged import TorchPagedAttention
+from pagedserve.engine.attention.triton_paged import TritonPagedAttention, num_kv_splits
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

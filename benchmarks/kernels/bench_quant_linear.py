@@ -17,13 +17,13 @@ import sys
 
 import torch
 
-from benchmarks import common
-from benchmarks.kernels.bench_dense_linear import SMOLLM2, best_us
-from engine import cpu_kernels
-from engine.layers.dispatch import kernel_table
-from engine.layers.linear import Linear
-from engine.quant.int4 import Int4Weight
-from engine.quant.int8 import Int8Weight
+from pagedserve.benchmarks import common
+from pagedserve.benchmarks.kernels.bench_dense_linear import SMOLLM2, best_us
+from pagedserve.engine import cpu_kernels
+from pagedserve.engine.layers.dispatch import kernel_table
+from pagedserve.engine.layers.linear import Linear
+from pagedserve.engine.quant.int4 import Int4Weight
+from pagedserve.engine.quant.int8 import Int8Weight
 
 CPU = torch.device("cpu")
 

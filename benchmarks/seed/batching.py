@@ -17,9 +17,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see kv_cache.py
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import table  # noqa: E402
-from benchmarks.seed import common  # noqa: E402
-from benchmarks.seed.common import ms  # noqa: E402
+from pagedserve.benchmarks.common import table  # noqa: E402
+from pagedserve.benchmarks.seed import common  # noqa: E402
+from pagedserve.benchmarks.seed.common import ms  # noqa: E402
 
 FULL_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]  # past 64 to find the knee on a CPU
 

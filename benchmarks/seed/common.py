@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import parser, timed, write_json
-from engine import LLMEngine, SamplingParams, make_config
-from engine.config import ModelConfig, bundled_model_path, resolve_dtype
-from engine.models.llama import LlamaModel
-from engine.models.loader import build_model, load_config
-from engine.tokenizer import load_tokenizer
+from pagedserve.benchmarks.common import parser, timed, write_json
+from pagedserve.engine import LLMEngine, SamplingParams, make_config
+from pagedserve.engine.config import ModelConfig, bundled_model_path, resolve_dtype
+from pagedserve.engine.models.llama import LlamaModel
+from pagedserve.engine.models.loader import build_model, load_config
+from pagedserve.engine.tokenizer import load_tokenizer
 
 QWEN = "random:qwen2.5-0.5b"  # the chapter's model (24 layers, 14 q heads, 2 kv heads, head dim 64)
 
@@ -167,7 +167,7 @@ def book_ids(loaded: Loaded, n: int, offset: int = 0) -> list[int]:
     tok = loaded.tokenizer if loaded.tokenizer is not None else text_tokenizer()
     key = id(tok)
     if key not in _BOOK_IDS or len(_BOOK_IDS[key]) < offset + n:
-        from benchmarks import workloads
+        from pagedserve.benchmarks import workloads
 
         words = workloads.load_words()
         need_words = int((offset + n) * 1.2) + 200

@@ -27,9 +27,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import table, timed, times_ms  # noqa: E402
-from benchmarks.seed import common  # noqa: E402
-from benchmarks.seed.common import ms  # noqa: E402
+from pagedserve.benchmarks.common import table, timed, times_ms  # noqa: E402
+from pagedserve.benchmarks.seed import common  # noqa: E402
+from pagedserve.benchmarks.seed.common import ms  # noqa: E402
 
 FULL_CONTEXTS = [64, 128, 256, 512, 1024, 2048, 4096]
 QUICK_CONTEXTS = [64, 128, 256, 512]

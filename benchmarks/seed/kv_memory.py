@@ -23,15 +23,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from benchmarks.common import table  # noqa: E402
-from benchmarks.seed import common  # noqa: E402
-from engine import LLMEngine, SamplingParams, make_config  # noqa: E402
-from engine.block_manager import BlockManager  # noqa: E402
-from engine.config import ModelConfig, bundled_model_path, dtype_size  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.models.llama import LlamaModel  # noqa: E402
-from engine.models.loader import RANDOM_SHAPES, load_config  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
+from pagedserve.benchmarks.common import table  # noqa: E402
+from pagedserve.benchmarks.seed import common  # noqa: E402
+from pagedserve.engine import LLMEngine, SamplingParams, make_config  # noqa: E402
+from pagedserve.engine.block_manager import BlockManager  # noqa: E402
+from pagedserve.engine.config import ModelConfig, bundled_model_path, dtype_size  # noqa: E402
+from pagedserve.engine.model_runner import ModelRunner  # noqa: E402
+from pagedserve.engine.models.llama import LlamaModel  # noqa: E402
+from pagedserve.engine.models.loader import RANDOM_SHAPES, load_config  # noqa: E402
+from pagedserve.engine.sequence import Sequence  # noqa: E402
 
 SHAPES = ["smollm2-135m", "qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b"]
 BLOCK = 16

@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from benchmarks.common import table
-from benchmarks.seed import common
+from pagedserve.benchmarks.common import table
+from pagedserve.benchmarks.seed import common
 
 
 def residual_stream(loaded: common.Loaded, ids: list[int]) -> list[torch.Tensor]:
@@ -57,7 +57,7 @@ def int8_levels(h: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def weight_outliers(model) -> dict:
-    from engine.layers.linear import Linear
+    from pagedserve.engine.layers.linear import Linear
 
     worst = None
     for name, m in model.named_modules():

@@ -21,9 +21,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see kv_cache.py: sleeping
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import table  # noqa: E402
-from benchmarks.seed import common  # noqa: E402
-from benchmarks.seed.common import ms  # noqa: E402
+from pagedserve.benchmarks.common import table  # noqa: E402
+from pagedserve.benchmarks.seed import common  # noqa: E402
+from pagedserve.benchmarks.seed.common import ms  # noqa: E402
 
 FULL_SIZES = [16, 32, 64, 128, 256, 512, 1024]
 

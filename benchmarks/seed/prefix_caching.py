@@ -17,9 +17,9 @@ import statistics
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see kv_cache.py
 
-from benchmarks.common import table  # noqa: E402
-from benchmarks.seed import common  # noqa: E402
-from benchmarks.seed.common import ms  # noqa: E402
+from pagedserve.benchmarks.common import table  # noqa: E402
+from pagedserve.benchmarks.seed import common  # noqa: E402
+from pagedserve.benchmarks.seed.common import ms  # noqa: E402
 
 
 def experiment(loaded: common.Loaded, prefix_tokens: int, suffix_tokens: int, gen_tokens: int,

@@ -24,14 +24,14 @@ import time
 # and a sleeping team slows the batch-1 step this script times.
 import torch
 
-from benchmarks import workloads
-from benchmarks.common import interleaved, machine_header, table, timed
-from benchmarks.seed import common
-from engine.model_runner import StepInput
-from engine.sampler import SampleRequest
-from engine.sequence import Sequence
-from engine.spec_decode.speculator import expected_tokens
-from engine.tokenizer import apply_chat_template
+from pagedserve.benchmarks import workloads
+from pagedserve.benchmarks.common import interleaved, machine_header, table, timed
+from pagedserve.benchmarks.seed import common
+from pagedserve.engine.model_runner import StepInput
+from pagedserve.engine.sampler import SampleRequest
+from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.spec_decode.speculator import expected_tokens
+from pagedserve.engine.tokenizer import apply_chat_template
 
 QUANT_FORMATS = ("int8", "int4", "nf4")
 
@@ -63,7 +63,7 @@ PROSE = [
 def drafts_available(only: str | None = None) -> list[tuple[str, dict]]:
     """Self-drafts: bf16, and each quantized format; `only` keeps those named (e.g. "int8,int4")."""
     out = [("bf16 self-draft", dict(draft_dtype="bfloat16"))]
-    if importlib.util.find_spec("engine.quant") is not None:
+    if importlib.util.find_spec("pagedserve.engine.quant") is not None:
         out += [(f"{q} self-draft", dict(draft_dtype="float32", draft_quantization=q)) for q in QUANT_FORMATS]
     keep = None if only is None else {x.strip() for x in only.split(",")}
     return [(name, opts) for name, opts in out if keep is None or name.split()[0] in keep]

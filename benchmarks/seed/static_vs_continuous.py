@@ -27,9 +27,9 @@ from statistics import NormalDist
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see kv_cache.py
 
-from benchmarks.common import table, timed  # noqa: E402
-from benchmarks.seed import common  # noqa: E402
-from benchmarks.seed.common import ms  # noqa: E402
+from pagedserve.benchmarks.common import table, timed  # noqa: E402
+from pagedserve.benchmarks.seed import common  # noqa: E402
+from pagedserve.benchmarks.seed.common import ms  # noqa: E402
 
 CHAPTER = dict(n=64, median=18, longest=231, total=1874)
 QUICK = dict(n=24, median=6, longest=40, total=240)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.attention.torch_paged import TorchPagedAttention
-from engine.layers.dispatch import KernelTable, kernel_table
+from pagedserve.engine.attention.base import AttentionBackend, AttentionMetadata
+from pagedserve.engine.attention.torch_paged import TorchPagedAttention
+from pagedserve.engine.layers.dispatch import KernelTable, kernel_table
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchPagedAttention", "get_backend"]
 
@@ -24,13 +24,13 @@ def get_backend(name: str, device: torch.device, table: KernelTable | None = Non
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend=cpu runs on the CPU, not {device.type}")
-        from engine.attention.cpu_paged import CpuPagedAttention
+        from pagedserve.engine.attention.cpu_paged import CpuPagedAttention
 
         return CpuPagedAttention(table)
     if name == "torch":
         return TorchPagedAttention(block_size)
     if name == "triton":
-        from engine.attention.triton_paged import TritonPagedAttention
+        from pagedserve.engine.attention.triton_paged import TritonPagedAttention
 
         return TritonPagedAttention()
     raise ValueError(f"attention_backend must be auto, cpu, torch or triton; got {name!r}")

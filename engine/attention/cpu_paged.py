@@ -16,10 +16,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from engine import cpu_kernels
-from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.attention.torch_paged import attend_chunks, drop_padding, store_rows
-from engine.layers.dispatch import KernelTable
+from pagedserve.engine import cpu_kernels
+from pagedserve.engine.attention.base import AttentionBackend, AttentionMetadata
+from pagedserve.engine.attention.torch_paged import attend_chunks, drop_padding, store_rows
+from pagedserve.engine.layers.dispatch import KernelTable
 
 # A query tile of this many tokens (x the GQA group) shares each K/V row it reads
 QUERY_TILE = 16

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from engine import cpu_kernels
-from engine.machine import cache_dir, cpu
+from pagedserve.engine import cpu_kernels
+from pagedserve.engine.machine import cache_dir, cpu
 
 logger = logging.getLogger(__name__)
 

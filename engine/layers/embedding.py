@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.dispatch import KernelTable
-from engine.layers.linear import lay_out_int8
-from engine.quant.int8 import Int8Weight
+from pagedserve.engine.layers.dispatch import KernelTable
+from pagedserve.engine.layers.linear import lay_out_int8
+from pagedserve.engine.quant.int8 import Int8Weight
 
 
 class Embedding(nn.Module):

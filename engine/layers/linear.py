@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.dispatch import KernelTable
-from engine.quant.int4 import Int4Weight
-from engine.quant.int8 import Int8Weight
-from engine.quant.nf4 import NF4Weight
-from engine.quant.weight import QuantWeight
+from pagedserve.engine.layers.dispatch import KernelTable
+from pagedserve.engine.quant.int4 import Int4Weight
+from pagedserve.engine.quant.int8 import Int8Weight
+from pagedserve.engine.quant.nf4 import NF4Weight
+from pagedserve.engine.quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.dispatch import KernelTable
+from pagedserve.engine.layers.dispatch import KernelTable
 
 
 class RMSNorm(nn.Module):

@@ -7,8 +7,8 @@ import math
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.layers.dispatch import KernelTable
+from pagedserve.engine.config import ModelConfig
+from pagedserve.engine.layers.dispatch import KernelTable
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:

@@ -12,14 +12,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.config import ModelConfig
-from engine.layers.activation import SiluAndMul
-from engine.layers.embedding import Embedding
-from engine.layers.linear import Linear
-from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
-from engine.quant.weight import QuantWeight
+from pagedserve.engine.attention.base import AttentionBackend, AttentionMetadata
+from pagedserve.engine.config import ModelConfig
+from pagedserve.engine.layers.activation import SiluAndMul
+from pagedserve.engine.layers.embedding import Embedding
+from pagedserve.engine.layers.linear import Linear
+from pagedserve.engine.layers.norm import RMSNorm
+from pagedserve.engine.layers.rotary import RotaryEmbedding
+from pagedserve.engine.quant.weight import QuantWeight
 
 # our fused module -> the Hugging Face projections it holds, in row order
 PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -123,7 +123,7 @@ class LlamaModel(nn.Module):
         """Copy tensors named as in Hugging Face checkpoints into the (fused) parameters. A projection that was
         made quantized (`Linear.quantize_to`, before materializing) takes QuantWeights, one per piece, fused
         into one storage once all its pieces are in."""
-        from engine.quant.formats import cat
+        from pagedserve.engine.quant.formats import cat
 
         params = dict(self.named_parameters())
         pending: dict[str, list] = {}

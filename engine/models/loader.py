@@ -15,14 +15,14 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from engine.config import ARCHITECTURES, ModelConfig
-from engine.errors import ModelLoadError
-from engine.layers.dispatch import KernelTable, kernel_table
-from engine.layers.linear import Linear, select_kernels
-from engine.models.llama import LlamaModel
-from engine.quant import loading as quant_loading
-from engine.quant.loading import QuantSpec
-from engine.quant.weight import QuantWeight
+from pagedserve.engine.config import ARCHITECTURES, ModelConfig
+from pagedserve.engine.errors import ModelLoadError
+from pagedserve.engine.layers.dispatch import KernelTable, kernel_table
+from pagedserve.engine.layers.linear import Linear, select_kernels
+from pagedserve.engine.models.llama import LlamaModel
+from pagedserve.engine.quant import loading as quant_loading
+from pagedserve.engine.quant.loading import QuantSpec
+from pagedserve.engine.quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
 

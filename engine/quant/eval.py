@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.config import bundled_text_path
-from engine.quant.formats import FORMATS
+from pagedserve.engine.config import bundled_text_path
+from pagedserve.engine.quant.formats import FORMATS
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AGREEMENT_TOKENS = 9  # per battery prompt: 16 x 9 = 144 positions
@@ -67,8 +67,8 @@ class Row:
 def weight_errors(model_path: str, fmt: str, group: int) -> tuple[float, float, float]:
     """(mean, worst) relative error and mean storage bits over the checkpoint's projection matrices,
     quantized exactly as loading does (GGUF Q4 blocks map directly where the format allows)."""
-    from engine.models import loader
-    from engine.quant.loading import GGUFBlocks, QuantSpec, quantize_tensor
+    from pagedserve.engine.models import loader
+    from pagedserve.engine.quant.loading import GGUFBlocks, QuantSpec, quantize_tensor
 
     cfg = loader.load_config(model_path)
     stream = loader.checkpoint_tensors(model_path, cfg, raw=True)
@@ -87,7 +87,7 @@ def weight_errors(model_path: str, fmt: str, group: int) -> tuple[float, float, 
 
 
 def battery_prompts(tokenizer) -> list[list[int]]:
-    from engine.tokenizer import apply_chat_template
+    from pagedserve.engine.tokenizer import apply_chat_template
 
     out = []
     for q, _ in BATTERY:
@@ -105,7 +105,7 @@ def correct(reply: str, answers: tuple[str, ...]) -> bool:
 
 def evaluate(llm, text_ids: list[int], prompts: list[list[int]], reference_paths: list[list[int]] | None):
     """(perplexity, battery score, greedy continuations, agreement or None) for one loaded engine."""
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.sampling_params import SamplingParams
 
     [scored] = llm.generate([text_ids], SamplingParams(max_tokens=0, prompt_logprobs=0))
     lps = [e.logprob for e in scored.prompt_logprobs[1:]]
@@ -130,10 +130,10 @@ def evaluate(llm, text_ids: list[int], prompts: list[list[int]], reference_paths
 
 def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtype: str,
         group_size: int | None, log=print) -> list[Row]:
-    from engine.config import bundled_model_path
-    from engine.llm import LLM
-    from engine.models.loader import weight_bytes
-    from engine.quant.loading import QuantSpec, resolve_group_size
+    from pagedserve.engine.config import bundled_model_path
+    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.models.loader import weight_bytes
+    from pagedserve.engine.quant.loading import QuantSpec, resolve_group_size
 
     model_path = model or bundled_model_path()
     with open(text_path, encoding="utf-8") as f:
@@ -172,7 +172,7 @@ def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtyp
 
 
 def _gguf_has_q4(path: str) -> bool:
-    from engine.models import loader
+    from pagedserve.engine.models import loader
 
     return loader.model_source(path) == "gguf" and loader.gguf_has_q4(path)
 

@@ -17,10 +17,10 @@ import math
 
 import torch
 
-from engine.quant.int4 import Int4Weight
-from engine.quant.int8 import Int8Weight
-from engine.quant.nf4 import NF4Weight
-from engine.quant.weight import QuantWeight
+from pagedserve.engine.quant.int4 import Int4Weight
+from pagedserve.engine.quant.int8 import Int8Weight
+from pagedserve.engine.quant.nf4 import NF4Weight
+from pagedserve.engine.quant.weight import QuantWeight
 
 FORMATS = ("int8", "int8-tensor", "int4", "int4-tensor", "nf4")
 

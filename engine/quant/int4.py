@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.quant.layouts import (
+from pagedserve.engine.quant.layouts import (
     PANEL,
     from_panels,
     pack_nibbles,
@@ -20,7 +20,7 @@ from engine.quant.layouts import (
     to_panels,
     unpack_nibbles,
 )
-from engine.quant.weight import QuantWeight, grouped
+from pagedserve.engine.quant.weight import QuantWeight, grouped
 
 TORCH_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes `_weight_int4pack_mm_for_cpu` takes
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.quant.layouts import PANEL, int8_from_panels, int8_to_panels, rows_from_panels, rows_to_panels
-from engine.quant.weight import QuantWeight
+from pagedserve.engine.quant.layouts import PANEL, int8_from_panels, int8_to_panels, rows_from_panels, rows_to_panels
+from pagedserve.engine.quant.weight import QuantWeight
 
 
 class Int8Weight(QuantWeight):

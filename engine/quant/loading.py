@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.layers.dispatch import KernelTable
-from engine.layers.linear import Linear
-from engine.models.llama import PROJECTIONS
-from engine.quant.formats import FORMATS, default_group_size, quantize
-from engine.quant.int4 import Int4Weight
-from engine.quant.int8 import Int8Weight
-from engine.quant.layouts import pack_nibbles
-from engine.quant.weight import QuantWeight
+from pagedserve.engine.layers.dispatch import KernelTable
+from pagedserve.engine.layers.linear import Linear
+from pagedserve.engine.models.llama import PROJECTIONS
+from pagedserve.engine.quant.formats import FORMATS, default_group_size, quantize
+from pagedserve.engine.quant.int4 import Int4Weight
+from pagedserve.engine.quant.int8 import Int8Weight
+from pagedserve.engine.quant.layouts import pack_nibbles
+from pagedserve.engine.quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.quant.layouts import pack_nibbles, unpack_nibbles
-from engine.quant.weight import QuantWeight, grouped
+from pagedserve.engine.quant.layouts import pack_nibbles, unpack_nibbles
+from pagedserve.engine.quant.weight import QuantWeight, grouped
 
 NF4_BLOCK = 64
 # quantiles of N(0, 1) scaled to [-1, 1], with an exact zero

@@ -66,8 +66,8 @@ def plan(shape: Shape, fmt: str, memory_gib: float, kv_dtype: str = "fp16",
 
 def shape_from_model(path: str | None) -> Shape:
     """A real model's shape: parameter count from its config (tied embeddings counted once)."""
-    from engine.config import bundled_model_path
-    from engine.models.loader import load_config
+    from pagedserve.engine.config import bundled_model_path
+    from pagedserve.engine.models.loader import load_config
 
     c = load_config(path or bundled_model_path())
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

@@ -13,16 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, resolve_dtype
-from engine.model_runner import ModelRunner, StepInput
-from engine.models.loader import build_model, load_config
-from engine.models.resolver import resolve_model
-from engine.quant.loading import QuantSpec
-from engine.sampler import SampleRequest
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from engine.spec_decode.proposer import Proposer
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.config import EngineConfig, resolve_dtype
+from pagedserve.engine.model_runner import ModelRunner, StepInput
+from pagedserve.engine.models.loader import build_model, load_config
+from pagedserve.engine.models.resolver import resolve_model
+from pagedserve.engine.quant.loading import QuantSpec
+from pagedserve.engine.sampler import SampleRequest
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.spec_decode.proposer import Proposer
 
 
 @dataclass(slots=True)
