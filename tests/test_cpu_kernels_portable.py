@@ -51,7 +51,8 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
     for n, k, m in ((7, 5, 1), (960, 576, 1), (576, 1536, 2), (40, 4099, 3)):
         w, x, b = torch.randn(n, k).to(dtype), torch.randn(m, k).to(dtype), torch.randn(n).to(dtype)
         got, want = torch.ops.pagedserve.dense_linear(x, w, b).float(), F.linear(x.float(), w.float(), b.float())
-        tol_dense = {torch.float32: 1e-6, torch.bfloat16: 4e-3}[dtype]
+        # fp32: summation order only (a scalar build sums each row in one chain: ~sqrt(K) roundings)
+        tol_dense = {torch.float32: 1e-5, torch.bfloat16: 4e-3}[dtype]
         assert ((got - want).norm() / want.norm()).item() < tol_dense, (n, k, m)
     x = torch.randn(5, 3072).to(dtype)
     g, u = x.float().chunk(2, -1)
