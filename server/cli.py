@@ -139,49 +139,54 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
-    """An interactive terminal chat with a running server, streaming replies over HTTP."""
-    import json
+    """A terminal chat with a running server, through the official openai client. Ctrl-C stops a reply and keeps
+    the conversation; Ctrl-C at the prompt, Ctrl-D or an empty line ends it."""
+    import openai
 
-    import httpx
-
-    history: list[dict[str, str]] = []
-    if args.system:
-        history.append({"role": "system", "content": args.system})
-    with httpx.Client(base_url=args.base_url, timeout=httpx.Timeout(600, connect=5)) as client:
-        model = args.model or client.get("/models").json()["data"][0]["id"]
-        print(f"chatting with {model} at {args.base_url} (empty line or Ctrl-D to quit)")
-        while True:
-            try:
-                line = input("you> ").strip()
-            except EOFError:
-                break
-            if not line:
-                break
-            history.append({"role": "user", "content": line})
-            body = {"model": model, "messages": history, "stream": True, "max_tokens": args.max_tokens,
-                    "temperature": args.temperature}
-            reply = []
-            sys.stdout.write("assistant> ")
-            with client.stream("POST", "/chat/completions", json=body) as r:
-                if r.status_code != 200:
-                    r.read()
-                    print(f"[error {r.status_code}: {r.text}]")
-                    history.pop()
-                    continue
-                for raw in r.iter_lines():
-                    if not raw.startswith("data: ") or raw == "data: [DONE]":
-                        continue
-                    chunk = json.loads(raw[6:])
-                    if "error" in chunk:
-                        print(f"\n[error: {chunk['error']['message']}]")
-                        break
-                    for choice in chunk.get("choices", []):
-                        piece = choice["delta"].get("content") or ""
+    client = openai.OpenAI(base_url=args.base_url, api_key=os.environ.get("PAGEDSERVE_API_KEY") or "none",
+                           max_retries=1, timeout=600)
+    try:
+        model = args.model or client.models.list().data[0].id
+    except openai.APIConnectionError:
+        _fail(f"no server at {args.base_url}: start one with `pagedserve serve` (or give --base-url)")
+    except openai.APIStatusError as e:
+        _fail(f"{args.base_url}: {e.status_code} {e.message}")
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"chatting with {model} at {args.base_url} (empty line or Ctrl-D to quit; Ctrl-C stops a reply)")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if not line:
+            return
+        history.append({"role": "user", "content": line})
+        reply: list[str] = []
+        sys.stdout.write("assistant> ")
+        try:
+            stream = client.chat.completions.create(model=model, messages=history, stream=True,
+                                                    max_tokens=args.max_tokens, temperature=args.temperature)
+            with stream:
+                for chunk in stream:
+                    piece = chunk.choices[0].delta.content if chunk.choices else None
+                    if piece:
                         reply.append(piece)
                         sys.stdout.write(piece)
                         sys.stdout.flush()
-            sys.stdout.write("\n")
-            history.append({"role": "assistant", "content": "".join(reply)})
+        except KeyboardInterrupt:  # closing the stream aborts the request on the server
+            reply.append(" [stopped]")
+            sys.stdout.write(" [stopped]")
+        except openai.APIConnectionError:
+            print(f"\n[the server at {args.base_url} went away]")
+            history.pop()
+            continue
+        except openai.APIError as e:
+            print(f"\n[error: {getattr(e, 'status_code', '')} {e.message}]")
+            history.pop()
+            continue
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -234,7 +239,10 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("plan", help="memory planner: weights + KV cache -> resident tokens (plan --help)")
 
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # the chat is a conversation, not a log: warnings only there
+    logging.basicConfig(level=logging.WARNING if args.command == "chat" else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     args.func(args)
 
 

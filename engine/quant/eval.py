@@ -103,17 +103,22 @@ def correct(reply: str, answers: tuple[str, ...]) -> bool:
     return any(re.search(r"(?<!\w)" + re.escape(a.lower()) + r"(?!\w)", reply.lower()) for a in answers)
 
 
-def evaluate(llm, text_ids: list[int], prompts: list[list[int]], reference_paths: list[list[int]] | None):
-    """(perplexity, battery score, greedy continuations, agreement or None) for one loaded engine."""
+def evaluate(llm, text_ids: list[int], prompts: list[list[int]], reference_paths: list[list[int]] | None,
+             step=lambda stage: None):
+    """(perplexity, battery score, greedy continuations, agreement or None) for one loaded engine; `step(stage)`
+    is called as each stage starts."""
     from pagedserve.engine.sampling_params import SamplingParams
 
+    step("perplexity")
     [scored] = llm.generate([text_ids], SamplingParams(max_tokens=0, prompt_logprobs=0))
     lps = [e.logprob for e in scored.prompt_logprobs[1:]]
     ppl = math.exp(-sum(lps) / len(lps))
+    step("battery")
     replies = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0))
     score = sum(correct(r.text, ans) for r, (_, ans) in zip(replies, BATTERY))
     paths = [r.token_ids for r in llm.generate(prompts, SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0,
                                                                        ignore_eos=True))]
+    step("agreement")
     agreement = None
     if reference_paths is not None:  # teacher-forced: same prefix, does our top-1 match the reference's token?
         forced = [p + r for p, r in zip(prompts, reference_paths)]
@@ -129,7 +134,9 @@ def evaluate(llm, text_ids: list[int], prompts: list[list[int]], reference_paths
 
 
 def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtype: str,
-        group_size: int | None, log=print) -> list[Row]:
+        group_size: int | None) -> list[Row]:
+    from tqdm import tqdm
+
     from pagedserve.engine.config import bundled_model_path
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.models.loader import weight_bytes
@@ -139,17 +146,29 @@ def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtyp
     with open(text_path, encoding="utf-8") as f:
         text = f.read()
     rows: list[Row] = []
-    reference_paths = None
-    for fmt in ["none"] + [f for f in formats if f != "none"]:
+    reference_paths, text_ids = None, None
+    formats = ["none"] + [f for f in formats if f != "none"]
+    stages = ("load", "perplexity", "battery", "agreement", "weight error")
+    bar = tqdm(total=len(formats) * len(stages), unit="stage", file=sys.stderr, dynamic_ncols=True)
+
+    def step(fmt: str, stage: str) -> None:
+        if bar.n or stage != "load":
+            bar.update(1)
+        bar.set_description(f"{fmt}: {stage}")
+
+    for fmt in formats:
         t0 = time.perf_counter()
+        step(fmt, "load")
         llm = LLM(model_path, quantization=fmt, quant_group_size=group_size, dtype=dtype,
                   max_num_batched_tokens=max(2048, tokens), memory_gib=0.5)
         tok = llm.tokenizer
-        text_ids = tok.encode(text, add_special_tokens=False)[:tokens]
-        if len(text_ids) < tokens:
-            raise SystemExit(f"{text_path} has only {len(text_ids)} tokens; need {tokens}")
+        if text_ids is None:  # the same tokenizer for every format: the text's first `tokens` tokens, once
+            text_ids = tok.encode(text[:tokens * 16], add_special_tokens=False)[:tokens]
+            if len(text_ids) < tokens:
+                raise SystemExit(f"{text_path} has only {len(text_ids)} tokens; need {tokens}")
         prompts = battery_prompts(tok)
-        ppl, score, paths, agree = evaluate(llm, text_ids, prompts, reference_paths)
+        ppl, score, paths, agree = evaluate(llm, text_ids, prompts, reference_paths, lambda s, f=fmt: step(f, s))
+        step(fmt, "weight error")
         sizes = weight_bytes(llm.engine.runner.model)
         if fmt == "none":
             reference_paths = paths
@@ -164,10 +183,12 @@ def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtyp
         row = Row(fmt, round(bits, 4), round(sum(sizes.values()) / 2**20, 2), round(err_mean, 5), round(err_max, 5),
                   round(ppl, 3), score, round(agreement, 4), positions, round(time.perf_counter() - t0, 1))
         rows.append(row)
-        log(f"  {fmt}: bits {row.bits_per_weight:.3f}, {row.weight_mib:.1f} MiB, error {row.rel_error_mean:.4f} / "
-            f"{row.rel_error_max:.4f}, perplexity {row.perplexity:.2f}, battery {row.battery}/16, agreement "
-            f"{row.agreement:.3f} ({row.seconds:.0f} s)")
+        bar.write(f"  {fmt}: bits {row.bits_per_weight:.3f}, {row.weight_mib:.1f} MiB, error "
+                  f"{row.rel_error_mean:.4f} / {row.rel_error_max:.4f}, perplexity {row.perplexity:.2f}, "
+                  f"battery {row.battery}/16, agreement {row.agreement:.3f} ({row.seconds:.0f} s)")
         del llm
+    bar.update(1)
+    bar.close()
     return rows
 
 
@@ -195,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"comma-separated formats to compare with the unquantized reference ({', '.join(FORMATS)})")
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
     ap.add_argument("--text", default=bundled_text_path(), help="text for perplexity (default: the shipped book)")
-    ap.add_argument("--tokens", type=int, default=2048, help="perplexity tokens")
+    ap.add_argument("--tokens", type=int, default=2048, help="perplexity tokens (256 runs a format in well under a "
+                                                             "minute on a 2-core CPU)")
     ap.add_argument("--dtype", default="float32", help="activation/reference dtype (float32 as in the chapter)")
     ap.add_argument("--quant-group-size", type=int, default=None)
     ap.add_argument("--json", default=None, help="write {'rows': [...]} here")
@@ -206,8 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown format(s) {bad}; choose from {', '.join(FORMATS)}")
     print(f"pagedserve eval: model {args.model or 'bundled SmolLM2-135M-Instruct'}, text {args.text}, "
           f"{args.tokens} tokens, dtype {args.dtype}", file=sys.stderr)
-    rows = run(args.model, formats, args.text, args.tokens, args.dtype, args.quant_group_size,
-               log=lambda m: print(m, file=sys.stderr))
+    rows = run(args.model, formats, args.text, args.tokens, args.dtype, args.quant_group_size)
     print(format_table(rows, args.tokens))
     if args.json:
         with open(args.json, "w") as f:
