@@ -81,11 +81,12 @@ def test_chat_non_streaming_equals_offline_engine(client, make_engine, smollm):
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
     choice = resp.choices[0]
     assert resp.object == "chat.completion" and choice.message.role == "assistant"
+    from pagedserve.engine import SamplingParams
     from pagedserve.engine.tokenizer import apply_chat_template
 
     engine = make_engine(num_blocks=64)
     engine.add_request("x", apply_chat_template(smollm.tokenizer, messages),
-                       __import__("engine").SamplingParams(max_tokens=24, temperature=0))
+                       SamplingParams(max_tokens=24, temperature=0))
     offline = run_to_completion(engine)["x"]
     assert choice.message.content == offline["text"]
     assert choice.finish_reason == offline["finish_reason"]
