@@ -17,6 +17,7 @@ from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine
 from pagedserve.engine.output_processor import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.snapshot import EngineSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +49,12 @@ RATE_WINDOW = 64
 
 
 class _Stream:
-    __slots__ = ("queue", "num_prompt_tokens", "started", "first")
+    __slots__ = ("queue", "num_prompt_tokens", "owner", "started", "first")
 
-    def __init__(self, num_prompt_tokens: int) -> None:
+    def __init__(self, num_prompt_tokens: int, owner: str | None) -> None:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.num_prompt_tokens = num_prompt_tokens
+        self.owner = owner  # who submitted it (a server's tenant id), so a live view shows each its own ids
         self.started = False  # first output seen
         self.first = asyncio.Event()  # set by the first output (or the engine's death)
 
@@ -75,6 +77,9 @@ class AsyncEngine:
         self._last_start: tuple[float, int] | None = None  # (when, requests then waiting)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Event()
+        # snapshots for a live view: the event loop asks, the engine thread builds one between two steps
+        self._want_snapshot = threading.Event()
+        self._snapshot_waiters: list[asyncio.Future[EngineSnapshot]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -98,6 +103,9 @@ class AsyncEngine:
         engine = self.engine
         try:
             while not self._stop.is_set():
+                if self._want_snapshot.is_set():  # a dashboard asked: between steps, the books balance
+                    self._want_snapshot.clear()
+                    self._loop.call_soon_threadsafe(self._deliver_snapshot, engine.snapshot())
                 if not engine.has_unfinished():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
@@ -132,6 +140,33 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(f"engine loop died: {error!r}"))
             stream.first.set()
+        self._deliver_snapshot(EngineDeadError(f"engine loop died: {error!r}"))
+
+    def _deliver_snapshot(self, snapshot: EngineSnapshot | BaseException) -> None:
+        waiters, self._snapshot_waiters = self._snapshot_waiters, []
+        for fut in waiters:
+            if fut.done():  # its caller timed out
+                continue
+            if isinstance(snapshot, BaseException):
+                fut.set_exception(snapshot)
+            else:
+                fut.set_result(snapshot)
+
+    async def snapshot(self, timeout: float = 10.0) -> EngineSnapshot:
+        """The engine's state at the next step boundary (at most one step away; at once when idle). Callers at the
+        same moment share one snapshot, and nothing is built while nobody asks: the loop pays only when watched."""
+        if not self.alive:
+            raise EngineDeadError(f"engine loop died: {self.error!r}")
+        fut = asyncio.get_running_loop().create_future()
+        self._snapshot_waiters.append(fut)
+        self._want_snapshot.set()
+        self._wake.set()
+        return await asyncio.wait_for(fut, timeout)
+
+    def owner(self, request_id: str) -> str | None:
+        """Who submitted a live request (`submit`'s owner); None for unknown ids."""
+        stream = self._streams.get(request_id)
+        return None if stream is None else stream.owner
 
     @property
     def num_waiting(self) -> int:
@@ -188,8 +223,10 @@ class AsyncEngine:
             raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens, more than the {limit} "
                                       "allowed to wait (--max-queued-tokens)", "prompt")
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Hand a reserved, validated request to the engine. The caller must `close()` the stream.
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               owner: str | None = None) -> RequestStream:
+        """Hand a reserved, validated request to the engine. The caller must `close()` the stream. `owner` names
+        who sent it (a server's tenant), for `owner()`.
 
         Raises InvalidRequestError for bad input and OverloadedError past the queued-token limit; either
         way the reservation is consumed.
@@ -201,7 +238,7 @@ class AsyncEngine:
             raise OverloadedError(f"server overloaded: {self._queued_tokens} prompt tokens queued "
                                   f"(limit {limit})", self.retry_after())
         self.engine.add_request(request_id, prompt_token_ids, params)
-        stream = _Stream(n)
+        stream = _Stream(n, owner)
         self._streams[request_id] = stream
         self._queued_tokens += n
         self._wake.set()

@@ -70,6 +70,10 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return sum(1 for b in self._free_queue if self.blocks[b].hash is not None)
 
+    def cached_free_blocks(self) -> list[int]:
+        """Unreferenced blocks that still hold a published prefix (reusable on a hit, evicted when taken)."""
+        return [b for b in self._free_queue if self.blocks[b].hash is not None]
+
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free_queue)

@@ -28,6 +28,8 @@ from pagedserve.engine.sampler import SampleRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.snapshot import EngineSnapshot, StepRecord
+from pagedserve.engine.snapshot import take as take_snapshot
 from pagedserve.engine.spec_decode import SpecStats, build_speculator
 from pagedserve.engine.step_cost import StepCostModel, StepShape
 from pagedserve.engine.structured import StructuredOutputs
@@ -114,6 +116,8 @@ class LLMEngine:
         self._inbox: list[tuple[str, object]] = []
         self._lock = threading.Lock()
         self._seq_ids = itertools.count()
+        self.num_steps = 0  # steps that ran a batch
+        self.last_step: StepRecord | None = None  # what the last one did (for the live view; one small record a step)
         logger.info(
             "model %s (%s, %s on %s) loaded in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, "
             "%d bytes/token, %.2f GiB", model_path, self.model_config.architecture, self.dtype, self.device,
@@ -231,9 +235,15 @@ class LLMEngine:
                                     if want and r.sample.constraint is not None])
         shape = StepShape.of(sched.num_new_tokens, [s.num_computed_tokens + n for s, n in
                                                     zip(sched.seqs, sched.num_new_tokens)])
+        decode = sum(n for s, n in zip(sched.seqs, sched.num_new_tokens) if s.num_tokens - s.num_computed_tokens == 1)
         t0 = time.perf_counter()
         sampled, logprobs, prompt_lps = self.runner.run(StepInput(sched.seqs, sched.num_new_tokens, sample))
-        self.cost_model.observe(shape, (time.perf_counter() - t0) * 1e3)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.cost_model.observe(shape, ms)
+        self.num_steps += 1
+        self.last_step = StepRecord(self.num_steps, ms, self.config.scheduler.max_num_batched_tokens,
+                                    sum(sched.num_new_tokens) - decode, decode, len(sched.seqs), sched.num_admitted,
+                                    sched.num_preempted)
         if self.speculator is not None:
             self.speculator.observe(sched.seqs, sched.num_new_tokens, sampled)
         for i, (start, entries) in prompt_lps.items():
@@ -275,6 +285,13 @@ class LLMEngine:
             self._requests.pop(seq.request_id, None)
         if self.speculator is not None:
             self.speculator.release(seq)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Who holds which KV blocks and what the last step did (counts and ids only). Only from the thread that
+        steps, between steps (AsyncEngine.snapshot asks its loop for one)."""
+        with self._lock:
+            inbox = sum(1 for op, _ in self._inbox if op == "add")
+        return take_snapshot(self.scheduler, inbox, self.last_step)
 
     def stats(self) -> EngineStats:
         """The engine's state now. Any thread (counters read without the engine lock: a snapshot, not a fence)."""

@@ -44,6 +44,7 @@ class SchedulerOutput:
     # True where this step computes the sequence's last known token, so the model must sample one
     sample: list[bool] = field(default_factory=list)
     num_preempted: int = 0
+    num_admitted: int = 0  # waiting sequences that started (or restarted after preemption) this step
 
 
 @dataclass(slots=True)
@@ -156,6 +157,7 @@ class Scheduler:
                 if not bm.can_allocate(seq, n, cached):
                     break  # nobody overtakes the head of the queue
                 self.waiting.pop(0)
+                out.num_admitted += 1
                 bm.allocate(seq, n, cached)
                 seq.num_cached_tokens = len(cached) * bm.block_size
                 self.stats.prefix_cache_queries += seq.num_tokens

@@ -15,16 +15,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.connections import protocol_class
+from pagedserve.server.engine_state import EngineState, LiveWindow, engine_state
 from pagedserve.server.guards import ApiKeyAuth, BodyLimit
 from pagedserve.server.metrics import Metrics
 from pagedserve.server.protocol import (
@@ -38,7 +39,7 @@ from pagedserve.server.protocol import (
     error_body,
     now,
 )
-from pagedserve.server.serving import ENGINE_DEAD, APIError, ChatEndpoint, CompletionEndpoint, Serving
+from pagedserve.server.serving import ENGINE_DEAD, APIError, ChatEndpoint, CompletionEndpoint, Serving, tenant
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,12 @@ ERRORS = {
     429: "Overloaded: retry after Retry-After seconds (also in retry-after-ms)",
     503: "The model is loading (Retry-After), or the engine died",
 }
+# The page (server/web/): its own files only. No inline script or style, so markup that model output might smuggle
+# into the DOM could not run even if the renderer let it through.
+WEB = importlib.resources.files("pagedserve.server") / "web"
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' "
+                "data:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
 _RETRY_AFTER = {"Retry-After": {"description": "whole seconds to wait before retrying", "schema": {"type": "integer"}},
                 "retry-after-ms": {"description": "the same, in milliseconds", "schema": {"type": "integer"}}}
 
@@ -94,6 +101,12 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[], None] | None = None  # `pagedserve serve` stops the server
         self.metrics = Metrics(config.served_model_name, self.stats)
+        self.live = LiveWindow()  # the live view's recent latencies and token rate
+
+    def observe(self, outputs) -> None:
+        """Each step's outputs, on the event loop."""
+        self.metrics.observe(outputs)
+        self.live.observe(outputs)
 
     def stats(self) -> EngineStats | None:
         if self.engine is None or not self.engine.alive:  # a dead engine's gauges would be stale
@@ -131,7 +144,7 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
                 if state.on_load_error is not None:
                     state.on_load_error()
                 return
-            aeng = AsyncEngine(engine, config.limits, on_outputs=state.metrics.observe)
+            aeng = AsyncEngine(engine, config.limits, on_outputs=state.observe)
             aeng.start(loop)
             state.engine = aeng
             logger.info("ready: serving %s (max_model_len %d)", config.served_model_name, engine.max_model_len)
@@ -143,7 +156,8 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
 
     app = FastAPI(title="pagedserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None, description="An OpenAI-compatible LLM server: /v1/chat/completions, "
-                  "/v1/completions, /v1/models; /health, /metrics.")
+                  "/v1/completions, /v1/models; /health, /metrics; /v1/engine/state (the live view's data); a chat "
+                  "page and a live view of the engine at / and /dashboard.")
     app.state.pagedserve = state
     document = None
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
@@ -201,6 +215,19 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/v1/engine/state", response_model=EngineState, responses=_errors(401, 503))
+    async def engine_state_(raw: Request):
+        """What the engine is doing now: counts, the last step, the KV pool block by block, who holds what; ids
+        only for the caller's own requests, never any text. Built by the engine loop between two steps."""
+        aeng = state.ready_engine()
+        try:
+            snap = await aeng.snapshot()
+        except (EngineDeadError, asyncio.TimeoutError) as e:
+            raise APIError(503, ENGINE_DEAD, "service_unavailable", code="engine_dead") from e
+        spec = aeng.engine.speculator.stats if aeng.engine.speculator is not None else None
+        return engine_state(snap, config.served_model_name, tenant(raw), aeng.owner, state.live,
+                            state.metrics.num_overloaded, spec)
+
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses=_generation(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
@@ -225,6 +252,15 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
                                    swagger_favicon_url="/docs/assets/favicon.png")
 
     app.mount("/docs/assets", StaticFiles(directory=str(importlib.resources.files("fastapi_offline") / "static")))
+
+    # ---- the page: a chat playground and the live view, from files in the package (no CDN, no build step) ---
+    # Open to all, like /health: it holds no data; what it shows comes from /v1/*, with the key the user gives it.
+    @app.get("/", include_in_schema=False)
+    @app.get("/dashboard", include_in_schema=False)
+    async def page():
+        return FileResponse(str(WEB / "index.html"), headers=PAGE_HEADERS)
+
+    app.mount("/web", StaticFiles(directory=str(WEB)), name="web")
 
     return app
 

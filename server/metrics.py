@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter as Tally
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -85,6 +86,7 @@ class Metrics:
         self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", m,
                                     buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_EngineCollector(snapshot, model_name))
+        self.rejections: Tally[str] = Tally()  # the same counts, readable without a scrape (the live view)
         self._last_token: dict[str, float] = {}
 
     def observe(self, outputs: list[RequestOutput]) -> None:
@@ -114,6 +116,12 @@ class Metrics:
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
+        self.rejections[reason] += 1
+
+    @property
+    def num_overloaded(self) -> int:
+        """429s issued: the queue was full, or a request would not have started in time."""
+        return self.rejections["queue_full"] + self.rejections["queue_wait"]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

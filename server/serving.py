@@ -68,6 +68,11 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
+def tenant(raw: Request) -> str | None:
+    """The id of the API key that authenticated the request (server/guards.py); None without keys."""
+    return raw.scope.get("state", {}).get(TENANT_KEY)
+
+
 def overloaded(e: OverloadedError) -> APIError:
     seconds = max(1, min(60, math.ceil(e.retry_after)))
     return APIError(429, f"{e} Retry after {seconds} s.", "rate_limit_error", code="server_overloaded",
@@ -194,7 +199,7 @@ class Serving:
         endpoint.tokenizer = aeng.engine.tokenizer
         salt = self.cache_salt(body, raw)
         built = await self.build(aeng, endpoint, salt)
-        streams = self.submit(aeng, built, endpoint.param)
+        streams = self.submit(aeng, built, endpoint.param, tenant(raw))
         await self.wait_started(aeng, streams, raw)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -228,10 +233,10 @@ class Serving:
 
     def cache_salt(self, body, raw: Request) -> str | None:
         """The request's prefix-cache namespace: its API key's (when namespacing per key) and its own cache_salt."""
-        tenant = raw.scope.get("state", {}).get(TENANT_KEY) if self.prefix_cache_per_key else None
-        if tenant is None:
+        key = tenant(raw) if self.prefix_cache_per_key else None
+        if key is None:
             return body.cache_salt
-        return f"key:{tenant}\x00{body.cache_salt or ''}"
+        return f"key:{key}\x00{body.cache_salt or ''}"
 
     # ---- build ------------------------------------------------------------------------------------------
     async def build(self, aeng: AsyncEngine, endpoint: Endpoint, salt: str | None) -> Built:
@@ -248,9 +253,9 @@ class Serving:
             raise
 
     # ---- submit -----------------------------------------------------------------------------------------
-    def submit(self, aeng: AsyncEngine, built: Built, param: str) -> list[RequestStream]:
+    def submit(self, aeng: AsyncEngine, built: Built, param: str, owner: str | None = None) -> list[RequestStream]:
         """One reserved engine request per job, or none: every reservation is consumed or released. All jobs are
-        validated first, so a bad one leaves nothing behind in the engine."""
+        validated first, so a bad one leaves nothing behind in the engine. `owner`: the API key's id, if any."""
         streams: list[RequestStream] = []
         attempts = 0  # each submit call consumes its reservation, whether or not it succeeds
         try:
@@ -259,7 +264,7 @@ class Serving:
             base = new_id("req")
             for i, (ids, params) in enumerate(built.jobs):
                 attempts += 1
-                streams.append(aeng.submit(f"{base}-{i}", ids, params))
+                streams.append(aeng.submit(f"{base}-{i}", ids, params, owner))
         except BaseException as e:
             for s in streams:
                 s.close()

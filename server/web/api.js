@@ -1,0 +1,41 @@
+// The API key (sessionStorage: this tab only) and `api`, the page's one fetch helper.
+const $ = (id) => document.getElementById(id);
+const KEY = "pagedserve.key";
+
+export const auth = {
+  key: () => sessionStorage.getItem(KEY) || "",
+  listeners: [],
+  onChange(fn) { this.listeners.push(fn); },
+  set(key) {
+    if (key) sessionStorage.setItem(KEY, key); else sessionStorage.removeItem(KEY);
+    this.listeners.forEach((fn) => fn());
+  },
+};
+
+// fetch() with the key; a 401 asks for one (once at a time) and is returned to the caller as it is
+export async function api(path, options = {}) {
+  const headers = { ...(options.headers || {}) };
+  if (auth.key()) headers.Authorization = `Bearer ${auth.key()}`;
+  const r = await fetch(path, { ...options, headers });
+  if (r.status === 401) askForKey(auth.key() ? "The server refused this key." : "This server needs an API key.");
+  return r;
+}
+
+export async function errorMessage(r) {
+  try {
+    const body = await r.json();
+    return body.error?.message || `HTTP ${r.status}`;
+  } catch {
+    return `HTTP ${r.status}`;
+  }
+}
+
+export function askForKey(reason) {
+  const dialog = $("key-dialog");
+  $("key-button").hidden = false;
+  if (dialog.open) return;
+  $("key-reason").textContent = reason;
+  $("key-input").value = "";
+  dialog.showModal();
+}
+
