@@ -55,6 +55,7 @@ ERRORS = {
     429: "Overloaded: retry after Retry-After seconds (also in retry-after-ms)",
     503: "The model is loading (Retry-After), or the engine died",
 }
+STATE_TIMEOUT_S = 10.0  # /v1/engine/state waits at most this long for the engine's next step boundary
 # The page (server/web/): its own files only. No inline script or style, so markup that model output might smuggle
 # into the DOM could not run even if the renderer let it through.
 WEB = importlib.resources.files("pagedserve.server") / "web"
@@ -221,9 +222,12 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
         only for the caller's own requests, never any text. Built by the engine loop between two steps."""
         aeng = state.ready_engine()
         try:
-            snap = await aeng.snapshot()
-        except (EngineDeadError, asyncio.TimeoutError) as e:
+            snap = await aeng.snapshot(STATE_TIMEOUT_S)
+        except EngineDeadError as e:
             raise APIError(503, ENGINE_DEAD, "service_unavailable", code="engine_dead") from e
+        except asyncio.TimeoutError as e:  # one step longer than this: a huge prefill chunk on a slow machine
+            raise APIError(503, f"the engine did not finish its step within {STATE_TIMEOUT_S:g} s",
+                           "service_unavailable", code="engine_busy", headers={"Retry-After": "1"}) from e
         spec = aeng.engine.speculator.stats if aeng.engine.speculator is not None else None
         return engine_state(snap, config.served_model_name, tenant(raw), aeng.owner, state.live,
                             state.metrics.num_overloaded, spec)
