@@ -50,6 +50,12 @@ using pagedserve::widen;
 // and their product is exact in fp32, where an fp16 copy of it would round. Row by row (the earlier layouts) the GEMVs were compute-bound, below the memory's speed,
 // and int8 on int16 activation codes slower than int4 per weight byte, the more so at several rows
 // (figures: docs/performance.md).
+// 6-bit codes (0..63: Q6_K, Q5_x, and fusions mixing them with Q4_K) keep the int4 steps for their low 4 bits and
+// add their high 2 bits in a plane beside them: per 32 codes of a panel, the 4 nibble steps (256 bytes) and then
+// 2 x 64 bytes of 2-bit pieces, byte 4r + i of piece h holding bits 4-5 of row r's codes 16h + i, 16h + 4 + i,
+// 16h + 8 + i, 16h + 12 + i in its bits 0-1, 2-3, 4-5, 6-7 (a step's two nibble halves, then the next step's).
+// They hold c + 32 for codes c in -32..31 (the 32 comes off with the bias term, as int8's 128 does), so a
+// 6-bit weight costs 6 bits, as in the file, and the GEMV does the int4 work plus two shifts and masks.
 // The activations are int8 codes with a scale per 32 values (llama.cpp's Q8_0: relative error <= 1/254 of the
 // block's absmax, ~0.5 % of a product), so one u8 x s8 vpdpbusd does 64 multiply-adds. int4 codes are u8 as
 // they are; int8 codes go in as c + 128, and 128 * sum(x) comes off with the bias term (below). The bias term
@@ -140,6 +146,31 @@ struct GroupValues {
 #endif
 };
 
+// where a step q's codes sit: 64 bytes of nibbles (int4, int6) or int8 codes, and for int6 the 64 bytes of
+// 2-bit pieces that step shares with its neighbour (BLOCK6 bytes per 32 codes of a panel)
+constexpr int64_t BLOCK6 = 384;
+template <int BITS>
+inline int64_t step_offset(int64_t q) {
+  return BITS == 6 ? (q / 4) * BLOCK6 + (q % 4) * 64 : q * 64;
+}
+inline int64_t pieces_offset(int64_t q) { return (q / 4) * BLOCK6 + 256 + ((q % 4) / 2) * 64; }
+
+// code j (0 .. 8, or 4 for int8) of row r in step q
+template <int BITS>
+inline int32_t panel_code(const uint8_t* c, int64_t q, int64_t r, int j) {
+  if constexpr (BITS == 8) {
+    return static_cast<int8_t>(c[q * 64 + 4 * r + j]);
+  } else {
+    const uint8_t byte = c[step_offset<BITS>(q) + 4 * r + (j & 3)];
+    int32_t code = j < 4 ? byte & 15 : byte >> 4;
+    if constexpr (BITS == 6) {
+      const uint8_t piece = c[pieces_offset(q) + 4 * r + (j & 3)];
+      code |= ((piece >> (4 * (q % 2) + 2 * (j >= 4))) & 3) << 4;
+    }
+    return code;
+  }
+}
+
 inline int32_t load4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof v);
@@ -162,9 +193,10 @@ constexpr bool INT8_OFFSET = false;
 template <int BITS, int MR>
 inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupValues& bias, int64_t p,
                       const Int8Blocks& x, int64_t m0, int64_t K, int64_t G, float (*y)[PANEL]) {
-  constexpr int PER = BITS == 4 ? 8 : 4, STEPS = XB / PER;  // codes per 64-byte step, steps per activation block
+  constexpr int PER = BITS == 8 ? 4 : 8, STEPS = XB / PER;  // codes per 64-byte step, steps per activation block
   const int64_t spg = K / G / PER;  // steps per group: STEPS / 2 (groups of 16) or a multiple of STEPS
   const __m512i nib = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i top = _mm512_set1_epi8(0x30);
   const int8_t* xq[MR];
   const float* xs[MR];
   __m512 f[MR];
@@ -185,9 +217,19 @@ inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupVal
       for (int h = 0; h < CH; ++h) t[m][h] = _mm512_setzero_si512();
     for (int s = 0; s < NS; ++s) {
       const int64_t q = q0 + s;
-      const __m512i b = _mm512_loadu_si512(c + q * 64);
-      if constexpr (BITS == 4) {
-        const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
+      const __m512i b = _mm512_loadu_si512(c + step_offset<BITS>(q));
+      if constexpr (BITS != 8) {
+        __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
+        if constexpr (BITS == 6) {  // q0 is even: step q's pieces are bits 0-3 (s even) or 4-7 of each byte
+          const __m512i pc = _mm512_loadu_si512(c + pieces_offset(q));
+          if (s % 2 == 0) {
+            lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(pc, 4), top));
+            hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(pc, 2), top));
+          } else {
+            lo = _mm512_or_si512(lo, _mm512_and_si512(pc, top));
+            hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(pc, 2), top));
+          }
+        }
         for (int m = 0; m < MR; ++m) {
           const int8_t* a = xq[m] + 8 * q;
           t[m][s % CH] = PAGEDSERVE_DPBUSD(t[m][s % CH], lo, _mm512_set1_epi32(load4(a)));
@@ -220,6 +262,7 @@ inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupVal
     const __m512 sw = scale.load(p, g);
     __m512 bw = bias.v ? bias.load(p, g) : _mm512_setzero_ps();
     if constexpr (BITS == 8 && INT8_OFFSET) bw = _mm512_fmadd_ps(sw, _mm512_set1_ps(-128.f), bw);
+    if constexpr (BITS == 6) bw = _mm512_fmadd_ps(sw, _mm512_set1_ps(-32.f), bw);
     for (int m = 0; m < MR; ++m)
       f[m] = _mm512_fmadd_ps(fg[m], sw, _mm512_fmadd_ps(bw, _mm512_set1_ps(x.xsum[(m0 + m) * G + g]), f[m]));
   }
@@ -231,9 +274,9 @@ inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupVal
 template <int BITS, int MR>
 inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupValues& bias, int64_t p,
                       const Int8Blocks& x, int64_t m0, int64_t K, int64_t G, float (*y)[PANEL]) {
-  constexpr int PER = BITS == 4 ? 8 : 4, STEPS = XB / PER;
+  constexpr int PER = BITS == 8 ? 4 : 8, STEPS = XB / PER;
   const int64_t spg = K / G / PER, run = std::min<int64_t>(spg, STEPS);  // steps per group; per accumulation
-  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), top = _mm256_set1_epi8(0x30);
   for (int h = 0; h < 2; ++h) {
     __m256 f[MR];
     for (int m = 0; m < MR; ++m) f[m] = _mm256_setzero_ps();
@@ -244,9 +287,19 @@ inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupVal
         __m256i t[MR];
         for (int m = 0; m < MR; ++m) t[m] = _mm256_setzero_si256();
         for (int64_t q = q0; q < q0 + run; ++q) {
-          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + q * 64 + 32 * h));
-          if constexpr (BITS == 4) {
-            const __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + step_offset<BITS>(q) + 32 * h));
+          if constexpr (BITS != 8) {
+            __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+            if constexpr (BITS == 6) {
+              const __m256i pc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + pieces_offset(q) + 32 * h));
+              if (q % 2 == 0) {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(pc, 4), top));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(pc, 2), top));
+              } else {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(pc, top));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(pc, 2), top));
+              }
+            }
             for (int m = 0; m < MR; ++m) {
               const int8_t* a = x.q.data() + (m0 + m) * K + 8 * q;
               const __m256i pr = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(a))),
@@ -268,7 +321,7 @@ inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupVal
       float sw[8], bw[8];
       for (int r = 0; r < 8; ++r) {
         sw[r] = scale.value(p, g, 8 * h + r);
-        bw[r] = bias.v ? bias.value(p, g, 8 * h + r) : 0.f;
+        bw[r] = (bias.v ? bias.value(p, g, 8 * h + r) : 0.f) - (BITS == 6 ? 32.f * sw[r] : 0.f);
       }
       for (int m = 0; m < MR; ++m)
         f[m] = _mm256_fmadd_ps(fg[m], _mm256_loadu_ps(sw),
@@ -278,21 +331,10 @@ inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupVal
   }
 }
 #else
-// code j (0 .. 8 or 4 per step) of row r in step q, and its k offset within the step
-template <int BITS>
-inline int32_t panel_code(const uint8_t* c, int64_t q, int64_t r, int j) {
-  if constexpr (BITS == 4) {
-    const uint8_t byte = c[q * 64 + 4 * r + (j & 3)];
-    return j < 4 ? byte & 15 : byte >> 4;
-  } else {
-    return static_cast<int8_t>(c[q * 64 + 4 * r + j]);
-  }
-}
-
 template <int BITS, int MR>
 inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupValues& bias, int64_t p,
                       const Int8Blocks& x, int64_t m0, int64_t K, int64_t G, float (*y)[PANEL]) {
-  constexpr int PER = BITS == 4 ? 8 : 4, STEPS = XB / PER;
+  constexpr int PER = BITS == 8 ? 4 : 8, STEPS = XB / PER;
   const int64_t spg = K / G / PER, run = std::min<int64_t>(spg, STEPS);
   for (int m = 0; m < MR; ++m) {
     const int8_t* xq = x.q.data() + (m0 + m) * K;
@@ -306,8 +348,9 @@ inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupVal
             for (int j = 0; j < PER; ++j) t += panel_code<BITS>(c, q, r, j) * xq[PER * q + j];
           sg += static_cast<float>(t) * x.scale[(m0 + m) * K / XB + q0 * PER / XB];
         }
-        const float b = bias.v ? bias.value(p, g, r) : 0.f;
-        s += sg * scale.value(p, g, r) + b * x.xsum[(m0 + m) * G + g];
+        const float sw = scale.value(p, g, r);
+        const float b = (bias.v ? bias.value(p, g, r) : 0.f) - (BITS == 6 ? 32.f * sw : 0.f);
+        s += sg * sw + b * x.xsum[(m0 + m) * G + g];
       }
       y[m][r] = s;
     }
@@ -370,11 +413,11 @@ struct Panels {
   Panels(const at::Tensor& x_, const at::Tensor& codes_, const at::Tensor& scale_,
          const std::optional<at::Tensor>& bias_, const std::optional<at::Tensor>& scale_d_,
          const std::optional<at::Tensor>& bias_d_, int bits, const char* op) {
-    const auto code_type = bits == 4 ? at::kByte : at::kChar;
+    const auto code_type = bits == 8 ? at::kChar : at::kByte;
     TORCH_CHECK(x_.dim() == 2 && codes_.dim() == 2 && codes_.scalar_type() == code_type &&
-                    codes_.size(1) == PANEL * bits / 8 * x_.size(1),
-                op, ": x [M, K], codes ", bits == 4 ? "uint8 [N / 16, 8 K]" : "int8 [N / 16, 16 K]",
-                " (16-row panels)");
+                    codes_.size(1) == PANEL * bits / 8 * x_.size(1) && (bits != 6 || x_.size(1) % XB == 0),
+                op, ": x [M, K], codes ", bits == 4 ? "uint8 [N / 16, 8 K]" : bits == 6 ? "uint8 [N / 16, 12 K]" :
+                "int8 [N / 16, 16 K]", " (16-row panels)");
     x = x_.contiguous(), codes = codes_.contiguous();
     K = x.size(1), N = codes.size(0) * PANEL;
     TORCH_CHECK(scale_.dim() == 3 && scale_.size(1) > 0 && K % scale_.size(1) == 0, op, ": scale [N / 16, G, 16]");
@@ -384,7 +427,7 @@ struct Panels {
     check_values(scale_, scale_d_, "scale", op);
     scale = scale_.contiguous();
     if (given(scale_d_)) scale_d = scale_d_->contiguous();
-    TORCH_CHECK(given(bias_) || bits == 8, op, ": int4 takes a bias");
+    TORCH_CHECK(given(bias_) || bits != 4, op, ": int4 takes a bias");
     if (given(bias_)) {
       check_values(*bias_, bias_d_, "bias", op);
       bias = bias_->contiguous();
@@ -407,7 +450,8 @@ template <int BITS>
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                         const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
                         const std::optional<at::Tensor>& bias_d) {
-  const Panels a(x, codes, scale, bias, scale_d, bias_d, BITS, BITS == 4 ? "int4_linear" : "int8_linear");
+  const Panels a(x, codes, scale, bias, scale_d, bias_d, BITS,
+                 BITS == 4 ? "int4_linear" : BITS == 6 ? "int6_linear" : "int8_linear");
   auto out = at::empty({x.size(0), a.N}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "panel_linear", [&] {
     panel_linear_impl<BITS, scalar_t>(a.x.data_ptr<scalar_t>(), x.size(0), a.K, a.c(), a.scales(), a.biases(), a.N,
@@ -492,7 +536,7 @@ inline void dequant_panel_row(const uint8_t* c, int64_t r, const float* sc, cons
 template <int BITS, typename T>
 void dequant_rows(const uint8_t* codes, const GroupValues& scale, const GroupValues& bias, int64_t K, int64_t G,
                   int64_t n0, int64_t n1, T* buf) {
-  constexpr int PER = BITS == 4 ? 8 : 4;
+  constexpr int PER = BITS == 8 ? 4 : 8;
   const int64_t group = K / G;
   at::parallel_for(n0 / PANEL, n1 / PANEL, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> sc(G), bi(G, 0.f);
@@ -503,6 +547,23 @@ void dequant_rows(const uint8_t* codes, const GroupValues& scale, const GroupVal
         for (int64_t g = 0; g < G; ++g) {
           sc[g] = scale.value(p, g, r);
           if (bias.v) bi[g] = bias.value(p, g, r);
+        }
+        if constexpr (BITS == 6) {  // per 32 codes: the 4 nibble steps and their 2 pieces, then scale and bias
+          uint8_t code[XB];
+          for (int64_t b = 0; b < K / XB; ++b) {
+            const uint8_t* blk = c + b * BLOCK6 + 4 * r;
+            for (int s = 0; s < 4; ++s)
+              for (int i = 0; i < 4; ++i) {
+                const uint8_t byte = blk[64 * s + i], piece = blk[256 + 64 * (s / 2) + i] >> (4 * (s % 2));
+                code[8 * s + i] = (byte & 15) | ((piece & 3) << 4);
+                code[8 * s + 4 + i] = (byte >> 4) | (((piece >> 2) & 3) << 4);
+              }
+            for (int64_t i = 0; i < XB; ++i) {
+              const int64_t g = (b * XB + i) / group;
+              o[b * XB + i] = narrow<T>(static_cast<float>(code[i] - 32) * sc[g] + bi[g]);
+            }
+          }
+          continue;
         }
 #ifdef PAGEDSERVE_AVX512
         if constexpr (!std::is_same_v<T, double>) {
@@ -534,7 +595,8 @@ template <int BITS>
 at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
                       const std::optional<at::Tensor>& bias_d) {
-  const Panels a(x, codes, scale, bias, scale_d, bias_d, BITS, BITS == 4 ? "int4_gemm" : "int8_gemm");
+  const Panels a(x, codes, scale, bias, scale_d, bias_d, BITS,
+                 BITS == 4 ? "int4_gemm" : BITS == 6 ? "int6_gemm" : "int8_gemm");
   const int64_t K = a.K, N = a.N;
   const int64_t TN = std::max<int64_t>(64, ((TILE_KIB << 10) / (K * x.element_size())) / PANEL * PANEL);
   auto out = at::empty({x.size(0), N}, x.options());
@@ -564,6 +626,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                        const std::optional<at::Tensor>& bias_d) {
   return panel_linear<4>(x, codes, scale, bias, scale_d, bias_d);
 }
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
+                       const std::optional<at::Tensor>& bias_d) {
+  return panel_linear<6>(x, codes, scale, bias, scale_d, bias_d);
+}
 }  // namespace pagedserve
 
 namespace {
@@ -577,6 +644,11 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      const std::optional<at::Tensor>& bias_d) {
   return panel_gemm<4>(x, codes, scale, bias, scale_d, bias_d);
 }
+at::Tensor int6_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
+                     const std::optional<at::Tensor>& bias_d) {
+  return panel_gemm<6>(x, codes, scale, bias, scale_d, bias_d);
+}
 }  // namespace
 
 // Absent optional operands may also be empty tensors (the fused decode layer's operand lists hold no None).
@@ -587,6 +659,8 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("int4_linear" PAGEDSERVE_PANEL_SCHEMA);
   m.def("int8_gemm" PAGEDSERVE_PANEL_SCHEMA);
   m.def("int4_gemm" PAGEDSERVE_PANEL_SCHEMA);
+  m.def("int6_linear" PAGEDSERVE_PANEL_SCHEMA);
+  m.def("int6_gemm" PAGEDSERVE_PANEL_SCHEMA);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
@@ -594,4 +668,6 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("int4_linear", &pagedserve::int4_linear);
   m.impl("int8_gemm", &int8_gemm);
   m.impl("int4_gemm", &int4_gemm);
+  m.impl("int6_linear", &pagedserve::int6_linear);
+  m.impl("int6_gemm", &int6_gemm);
 }

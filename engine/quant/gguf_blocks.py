@@ -8,15 +8,17 @@ them into weights. Every type here maps onto the codes-times-group-values storag
 |------|---------------|---------------------------------|----------------------------------------------------------|
 | Q4_0 | 32, fp16 d    | d (q - 8)                       | int4, group 32, scale d                                  |
 | Q4_1 | 32, d, m      | d q + m                         | int4, group 32, scale d, bias m                          |
-| Q5_0 | 32, d         | d (q - 16)                      | int8 codes q - 16, group 32, scale d                     |
-| Q5_1 | 32, d, m      | d q + m                         | int8 codes q, group 32, scale d, bias m                  |
+| Q5_0 | 32, d         | d (q - 16)                      | 6-bit codes q - 16, group 32, scale d                    |
+| Q5_1 | 32, d, m      | d q + m                         | 6-bit codes q, group 32, scale d, bias m                 |
 | Q8_0 | 32, d         | d q                             | int8, group 32, scale d                                  |
 | Q4_K | 256: d, dmin; 8 x 6-bit (sc, m) | d sc q - dmin m | int4, group 32, scale sc x d, bias m x (-dmin)          |
-| Q5_K | as Q4_K, 5-bit q | d sc q - dmin m              | int8 codes q, group 32, scale sc x d, bias m x (-dmin)   |
-| Q6_K | 256: d; 16 x int8 sc | d sc (q - 32)            | int8 codes q - 32, group 16, scale sc x d               |
+| Q5_K | as Q4_K, 5-bit q | d sc q - dmin m              | 6-bit codes q, group 32, scale sc x d, bias m x (-dmin)  |
+| Q6_K | 256: d; 16 x int8 sc | d sc (q - 32)            | 6-bit codes q - 32, group 16, scale sc x d               |
 
 "sc x d": the 6- or 8-bit sub-block codes kept as they are with the super-block's fp16 factor beside them, so
-the kernels form the product in fp32, exact (an fp16 copy of d * sc would round). `dequantize` is gguf's own
+the kernels form the product in fp32, exact (an fp16 copy of d * sc would round). 5- and 6-bit codes are held in
+int8 storage (codes within -32..31, or 0..31) and laid out 6 bits a code for our kernels (int6_to_panels in
+engine/quant/layouts.py). `dequantize` is gguf's own
 reference; tests hold `storage(...).dequantize()` to it bit for bit.
 """
 

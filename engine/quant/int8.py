@@ -6,9 +6,10 @@ bias), Q5_K (codes 0..31, 6-bit scale and min codes times the super-block's fp16
 -32..31, groups of 16, int8 scale codes times d). A scale or bias held as 8-bit codes comes with its fp16 factor
 per super-block (`scale_d`, `bias_d` [N, G / per]).
 
-Layouts (`lay_out`): "panels" for our C++ kernels (16-row panels, engine/quant/layouts.py; the per-group values as
-[N/16, G, 16]), or "rows" (row-major, for torch's `_weight_int8pack_mm` and plain GEMMs where a plain row scale
-is all there is). Embeddings use either as a row lookup.
+Layouts (`lay_out`): "panels" for our C++ kernels (16-row panels, engine/quant/layouts.py; the per-group values
+as [N/16, G, 16]; codes within -32..31, as every 5- and 6-bit GGUF type's are, at 6 bits each), or "rows"
+(row-major, for torch's `_weight_int8pack_mm` and plain GEMMs where a plain row scale is all there is).
+Embeddings use either as a row lookup.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.engine.quant.layouts import PANEL, int8_from_panels, int8_to_panels, rows_from_panels, rows_to_panels
+from pagedserve.engine.quant.layouts import (
+    PANEL,
+    int6_from_panels,
+    int6_to_panels,
+    int8_from_panels,
+    int8_to_panels,
+    rows_from_panels,
+    rows_to_panels,
+)
 from pagedserve.engine.quant.weight import QuantWeight, group_values
 
 VALUES = ("scale", "bias", "scale_d", "bias_d")  # the per-group tensors, laid out beside the codes
@@ -33,6 +42,7 @@ class Int8Weight(QuantWeight):
         self.group = self.shape[1] // scale.shape[1]
         self.layout = None
         self.row_scale: torch.Tensor | None = None  # fp32 [N] for torch's kernel ("rows", per row or per tensor)
+        self.code_bits = 6 if self.format not in ("int8", "int8-tensor") and _fits_6_bits(q) else 8
 
     @classmethod
     def quantize(cls, w: torch.Tensor, per_tensor: bool = False) -> Int8Weight:
@@ -66,13 +76,21 @@ class Int8Weight(QuantWeight):
             w = w + group_values(bias, bias_d)[rows][:, :, None]
         return w.view(n, k).to(dtype)
 
+    def _codes(self) -> torch.Tensor:
+        """Row-major int8 codes [N, K], whichever layout is held."""
+        if self.layout != "panels":
+            return self.q
+        return int6_from_panels(self.q) if self.code_bits == 6 else int8_from_panels(self.q)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        q = int8_from_panels(self.q) if self.layout == "panels" else self.q
-        return self._dense(q, slice(None), dtype)
+        return self._dense(self._codes(), slice(None), dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows (an embedding lookup)."""
-        if self.layout == "panels":  # row n's 4-byte pieces sit at 4 (n % 16) of every 64-byte step of panel n // 16
+        if self.layout == "panels" and self.code_bits == 6:  # the rows' panels, decoded
+            p, r = ids // PANEL, ids % PANEL
+            q = int6_from_panels(self.q[p]).view(len(ids), PANEL, -1)[torch.arange(len(ids)), r]
+        elif self.layout == "panels":  # row n's 4-byte pieces sit at 4 (n % 16) of every 64-byte step of panel n // 16
             p, r = ids // PANEL, ids % PANEL
             q = self.q.view(-1, self.shape[1] // 4, PANEL, 4)[p, :, r].reshape(len(ids), -1)
         else:
@@ -81,7 +99,8 @@ class Int8Weight(QuantWeight):
 
     def panels_fit(self) -> bool:
         """Whether our kernels' layout can hold it (any scale layout: per row, per 16 or 32k, per tensor)."""
-        return self.shape[0] % PANEL == 0 and (self.group % 32 == 0 or self.group == 16)
+        fits = self.shape[0] % PANEL == 0 and (self.group % 32 == 0 or self.group == 16)
+        return fits and (self.code_bits == 8 or self.shape[1] % 32 == 0)
 
     def lay_out(self, device: torch.device, panels: bool) -> None:
         """Move to `device` in our kernels' panels or row-major. Once: a tied embedding and LM head share it."""
@@ -96,7 +115,7 @@ class Int8Weight(QuantWeight):
             for name in VALUES:
                 if getattr(self, name) is not None:
                     setattr(self, name, rows_to_panels(getattr(self, name)))
-            self.q = int8_to_panels(self.q)
+            self.q = int6_to_panels(self.q) if self.code_bits == 6 else int8_to_panels(self.q)
             self.layout = "panels"
             return
         self.layout = "rows"
@@ -106,11 +125,13 @@ class Int8Weight(QuantWeight):
     # ---- kernels (engine/layers/linear.py picks) ------------------------------------------------------------
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         """Ours, panels: int8 codes of the activations (a scale per 32) times the weight codes (VNNI)."""
-        return torch.ops.pagedserve.int8_linear(x, self.q, self.scale, self.bias, self.scale_d, self.bias_d)
+        op = torch.ops.pagedserve.int6_linear if self.code_bits == 6 else torch.ops.pagedserve.int8_linear
+        return op(x, self.q, self.scale, self.bias, self.scale_d, self.bias_d)
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Ours, panels: cache-sized tiles dequantized to x's dtype, each through oneDNN's GEMM."""
-        return torch.ops.pagedserve.int8_gemm(x, self.q, self.scale, self.bias, self.scale_d, self.bias_d)
+        op = torch.ops.pagedserve.int6_gemm if self.code_bits == 6 else torch.ops.pagedserve.int8_gemm
+        return op(x, self.q, self.scale, self.bias, self.scale_d, self.bias_d)
 
     def torch_gemv(self, x: torch.Tensor, kernel_dtype: torch.dtype) -> torch.Tensor:
         """torch's `_weight_int8pack_mm` ("rows" with a row scale), computed in `kernel_dtype`."""
@@ -140,7 +161,7 @@ class Int8Weight(QuantWeight):
         if self.format == "int8-tensor":
             return 8 * n * k + 32 * self.scale.unique().numel()
         values = [getattr(self, name) for name in VALUES]
-        return 8 * n * k + sum(8 * v.numel() * v.element_size() for v in values if v is not None)
+        return self.code_bits * n * k + sum(8 * v.numel() * v.element_size() for v in values if v is not None)
 
     @classmethod
     def cat(cls, parts: list[QuantWeight]) -> Int8Weight:
@@ -154,3 +175,8 @@ class Int8Weight(QuantWeight):
         cat = lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
         return cls(torch.cat([p.q for p in parts]), cat("scale"), parts[0].format, cat("bias"), cat("scale_d"),
                    cat("bias_d"))
+
+
+def _fits_6_bits(q: torch.Tensor) -> bool:
+    """Codes within -32..31 (GGUF's 5- and 6-bit types, alone or fused with 4-bit ones): 6 bits each."""
+    return q.numel() > 0 and int(q.min()) >= -32 and int(q.max()) <= 31
