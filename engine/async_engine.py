@@ -153,6 +153,14 @@ class AsyncEngine:
             return None
         return self.num_waiting * sum(self._start_gaps) / len(self._start_gaps)
 
+    def drain_rate(self) -> float | None:
+        """Requests started per second while a queue drains (None before any was measured): what a fleet of
+        replicas adds up to estimate its own wait (server/fleet.py)."""
+        if not self._start_gaps:
+            return None
+        mean = sum(self._start_gaps) / len(self._start_gaps)
+        return 1.0 / mean if mean > 0 else None
+
     def retry_after(self, wait: float | None = None) -> float:
         """Whole seconds in [1, 60] until a retry would likely be admitted."""
         wait = self.expected_wait() if wait is None else wait
