@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 class EngineDeadError(RuntimeError):
     """The engine loop crashed; no request can be served until restart."""
 
+    code = "engine_dead"  # the error body's code; subclasses name other deaths (a replica's: replica_died)
+    public_message: str | None = None  # what a client may read (None: the server's generic line, no details)
+
 
 class OverloadedError(RuntimeError):
     def __init__(self, message: str, retry_after: float, reason: str = "queue_full") -> None:
