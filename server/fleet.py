@@ -57,6 +57,16 @@ class ReplicaLostError(EngineDeadError):
     public_message = "the replica serving this request died; the request was not completed (retry it)"
 
 
+# Deployment name -> a function returning each replica's last published stats: the router of that deployment in
+# this process registers one (server/ray_router.py), the Fleet reads it.
+STATS_SOURCES: dict[str, Callable[[], dict[str, Mapping]]] = {}
+
+
+def published_stats(deployment: str) -> dict[str, Mapping]:
+    source = STATS_SOURCES.get(deployment)
+    return source() if source is not None else {}
+
+
 Item = Admitted | Refused | RequestOutput
 Dispatch = Callable[[str, list[int], SamplingParams, RoutingKey], AsyncIterator[Item]]
 

@@ -29,8 +29,7 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server.affinity import RoutingKey
 from pagedserve.server.app import create_app
 from pagedserve.server.config import ReplicaConfig, ServerConfig
-from pagedserve.server.fleet import Admitted, Fleet, Item, Refused, ReplicaLostError
-from pagedserve.server.ray_router import replica_stats
+from pagedserve.server.fleet import Admitted, Fleet, Item, Refused, ReplicaLostError, published_stats
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +117,7 @@ class Ingress:
 
     def _start(self, info: ReplicaInfo, config: ServerConfig, on_outputs, loop) -> Fleet:
         inputs = InputProcessor(info.tokenizer, info.vocab_size, info.max_model_len)
-        return Fleet(inputs, self._dispatch, lambda: replica_stats(ENGINE), config.limits, info.block_size,
+        return Fleet(inputs, self._dispatch, lambda: published_stats(ENGINE), config.limits, info.block_size,
                      on_outputs)
 
     async def _dispatch(self, request_id: str, ids: list[int], params: SamplingParams,

@@ -1,7 +1,9 @@
 """Ray Serve request routers for the engine replicas: ours (prefix-cache affinity) and Ray's default.
 
 Both live in the ingress's process (a deployment handle builds its router where it is called) and register
-there, so the ingress reads every replica's published stats for its admission, Retry-After and /metrics.
+there (server/fleet.py's `STATS_SOURCES`), so the ingress reads every replica's published stats for its
+admission, Retry-After and /metrics. The registry cannot live here: Ray ships this module to the ingress by
+value, so its globals there are a copy nobody else sees.
 The policy itself is server/affinity.py; this module only adapts Ray's alpha `RequestRouter` API to it.
 Imported only when serving on Ray.
 """
@@ -9,21 +11,18 @@ Imported only when serving on Ray.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from pagedserve.server import fleet  # the module, not its dict: by value, a dict would be shipped as a copy
 from pagedserve.server.affinity import PrefixAffinity, ReplicaLoad, RoutingKey
 
-_ROUTERS: dict[str, RequestRouter] = {}  # deployment name -> the router this process routes it with
 
-
-def replica_stats(deployment: str) -> dict[str, Mapping]:
+def replica_stats(router: RequestRouter) -> dict[str, Mapping]:
     """Replica id -> what it last published through `record_routing_stats` ({} before the first report)."""
-    router = _ROUTERS.get(deployment)
-    if router is None:
-        return {}
     return {rid.unique_id: dict(r.routing_stats or {}) for rid, r in list(router.curr_replicas.items())}
 
 
@@ -38,7 +37,7 @@ class PrefixCacheRouter(RequestRouter):
 
     def initialize_state(self, **kwargs) -> None:
         self.affinity = PrefixAffinity(**kwargs)
-        _ROUTERS[self._deployment_id.name] = self
+        fleet.STATS_SOURCES[self._deployment_id.name] = functools.partial(replica_stats, self)
 
     def load(self, r: RunningReplica) -> ReplicaLoad:
         """Published stats lag (a period); requests this router sent since then count too, so a burst of
@@ -70,4 +69,4 @@ class DefaultRouter(PowerOfTwoChoicesRequestRouter):
 
     def initialize_state(self, **kwargs) -> None:
         super().initialize_state(**kwargs)
-        _ROUTERS[self._deployment_id.name] = self
+        fleet.STATS_SOURCES[self._deployment_id.name] = functools.partial(replica_stats, self)
