@@ -95,7 +95,7 @@ class ServerState:
         self.on_load_error: Callable[[], None] | None = None  # `pagedserve serve` stops the server
         self.metrics = Metrics(config.served_model_name, self.stats)
 
-    def stats(self) -> EngineStats | None:
+    def stats(self) -> EngineStats | dict[str, EngineStats] | None:
         if self.engine is None or not self.engine.alive:  # a dead engine's gauges would be stale
             return None
         return self.engine.stats()
@@ -112,8 +112,17 @@ class ServerState:
         return self.engine
 
 
-def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) -> FastAPI:
-    """`engine_factory` runs in a background thread at start-up; /health answers 503 until it returns."""
+def start_local(engine: LLMEngine, config: ServerConfig, on_outputs: Callable, loop) -> AsyncEngine:
+    """The single server: the engine's own thread, bridged to this event loop."""
+    aeng = AsyncEngine(engine, config.limits, on_outputs=on_outputs)
+    aeng.start(loop)
+    return aeng
+
+
+def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: Callable = start_local) -> FastAPI:
+    """`engine_factory` runs in a background thread at start-up; /health answers 503 until it returns. `start`
+    turns what it built into what the pipeline drives: an AsyncEngine here, a Fleet of replicas on Ray
+    (server/ray_app.py), called as start(built, config, on_outputs, loop)."""
     state = ServerState(config)
     serving = Serving(state.ready_engine, config.served_model_name, config.prefix_cache_per_key,
                       config.disconnect_poll_s, state.metrics.reject)
@@ -131,9 +140,7 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
                 if state.on_load_error is not None:
                     state.on_load_error()
                 return
-            aeng = AsyncEngine(engine, config.limits, on_outputs=state.metrics.observe)
-            aeng.start(loop)
-            state.engine = aeng
+            state.engine = start(engine, config, state.metrics.observe, loop)
             logger.info("ready: serving %s (max_model_len %d)", config.served_model_name, engine.max_model_len)
 
         threading.Thread(target=load, name="pagedserve-load", daemon=True).start()
