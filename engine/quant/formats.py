@@ -53,7 +53,8 @@ def quantize(w: torch.Tensor, fmt: str, group_size: int = 64) -> QuantWeight:
 
 
 def cat(parts: list[QuantWeight]) -> QuantWeight:
-    """Row-concatenate. Parts of one format fuse as they are; GGUF types that differ fuse as int8 storage (exact; 6-bit codes where they fit)."""
+    """Row-concatenate. Parts of one format fuse as they are; GGUF types that differ fuse as int8 storage
+    (exact; 6 bits a code where they fit)."""
     if len(parts) == 1:
         return parts[0]
     kinds = {(type(p), p.format) for p in parts}
