@@ -34,6 +34,16 @@ def tune() -> bool:
     return _keep_freed_blocks()
 
 
+def release_freed() -> None:
+    """Hand freed heap memory back to the kernel (glibc's malloc_trim): after loading, whose temporaries (raw
+    blocks, unpacked codes) the kept-blocks setting would otherwise leave resident."""
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
 def _keep_freed_blocks() -> bool:
     name = ctypes.util.find_library("c")
     try:

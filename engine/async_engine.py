@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 class EngineDeadError(RuntimeError):
     """The engine loop crashed; no request can be served until restart."""
 
+    code = "engine_dead"  # the error body's code; subclasses name other deaths (a replica's: replica_died)
+    public_message: str | None = None  # what a client may read (None: the server's generic line, no details)
+
 
 class OverloadedError(RuntimeError):
     def __init__(self, message: str, retry_after: float, reason: str = "queue_full") -> None:
@@ -187,6 +190,14 @@ class AsyncEngine:
         if not self._start_gaps:
             return None
         return self.num_waiting * sum(self._start_gaps) / len(self._start_gaps)
+
+    def drain_rate(self) -> float | None:
+        """Requests started per second while a queue drains (None before any was measured): what a fleet of
+        replicas adds up to estimate its own wait (server/fleet.py)."""
+        if not self._start_gaps:
+            return None
+        mean = sum(self._start_gaps) / len(self._start_gaps)
+        return 1.0 / mean if mean > 0 else None
 
     def retry_after(self, wait: float | None = None) -> float:
         """Whole seconds in [1, 60] until a retry would likely be admitted."""

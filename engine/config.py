@@ -189,9 +189,10 @@ class EngineConfig:
                                           "measured once and cached; see engine/layers/dispatch.py)")
     max_model_len: int | None = opt(None, "context length (default: the model's)")
     seed: int = opt(0, "seed for random weights and unseeded sampling")
-    quantization: str = opt("none", "weight format: none, int8 (per row), int4 (per group), nf4, or the per-tensor "
-                            "int8-tensor / int4-tensor", choices=("none", "int8", "int4", "nf4", "int8-tensor",
-                                                                  "int4-tensor"))
+    quantization: str = opt("auto", "weight format: auto (a GGUF's quantized weights at the file's own bits, "
+                                    "Q4_0 ... Q6_K; other weights as they are), none (dense), or requantized: "
+                                    "int8 (per row), int4 (per group), nf4, per-tensor int8-tensor / int4-tensor",
+                            choices=("auto", "none", "int8", "int4", "nf4", "int8-tensor", "int4-tensor"))
     quant_group_size: int | None = opt(None, "int4 group size along the input dim, 32/64/128/256 (default: 32 "
                                              "for a GGUF of Q4 blocks, else the largest of 128/64/32 dividing "
                                              "every matrix)")

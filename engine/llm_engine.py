@@ -16,7 +16,8 @@ import torch
 from pagedserve.engine import allocator
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.config import EngineConfig, make_config, resolve_dtype
-from pagedserve.engine.errors import ContextLengthExceededError, InvalidRequestError
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.layers.dispatch import kernel_table
 from pagedserve.engine.model_runner import ModelRunner, StepInput
 from pagedserve.engine.models.llama import LlamaModel
@@ -33,7 +34,7 @@ from pagedserve.engine.snapshot import take as take_snapshot
 from pagedserve.engine.spec_decode import SpecStats, build_speculator
 from pagedserve.engine.step_cost import StepCostModel, StepShape
 from pagedserve.engine.structured import StructuredOutputs
-from pagedserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, apply_chat_template, load_tokenizer
+from pagedserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -99,19 +100,11 @@ class LLMEngine:
         # The engine thread detokenizes while other threads encode: HF fast tokenizers mutate state on
         # encode ("Already borrowed"), so the detokenizer gets its own copy.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
-        self._tokenizer_lock = threading.Lock()  # encoding from several threads: one at a time
-        # No token is longer than this many characters, so a longer text cannot fit the context: it is
-        # refused without tokenizing it (a normalizer may merge characters, hence the slack).
-        self._max_token_chars = 0
-        if self.tokenizer is not None:
-            self._max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
-            backend = getattr(self.tokenizer, "backend_tokenizer", None)
-            if backend is None or backend.normalizer is not None:
-                self._max_token_chars *= 4
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids |= {self.tokenizer.eos_token_id}
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
+        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, max_len, self.structured)
         self._requests: dict[str, RequestState] = {}
         self._inbox: list[tuple[str, object]] = []
         self._lock = threading.Lock()
@@ -134,41 +127,19 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt. Any thread; O(prompt size), so servers call it off their event loop."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: pass token ids", "prompt")
-            self.check_prompt_chars(len(prompt), "prompt")
-            with self._tokenizer_lock:
-                return list(self.tokenizer.encode(prompt, add_special_tokens=True)) if prompt else []
-        return list(prompt)
+        return self.inputs.tokenize(prompt)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Chat messages (and tools, for templates that take them) -> prompt token ids. Any thread."""
-        with self._tokenizer_lock:
-            return apply_chat_template(self.tokenizer, messages, tools=tools)
+        return self.inputs.encode_chat(messages, tools)
 
     def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
         """Refuse a text that cannot fit the context whatever its tokens, before paying to tokenize it."""
-        limit = self.max_model_len * self._max_token_chars
-        if self._max_token_chars and num_chars > limit:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens, and the prompt has "
-                f"{num_chars} characters: more than {limit} cannot fit. Please reduce the prompt.", param,
-                "context_length_exceeded")
+        self.inputs.check_prompt_chars(num_chars, param)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a tokenized request; return its resolved max_tokens. Raises InvalidRequestError."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + max_tokens > self.max_model_len or (max_tokens < 1 and params.max_tokens is None):  # before O(n)
-            raise ContextLengthExceededError(n, max(max_tokens, 1), self.max_model_len)
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-        self.structured.check(params)
-        return max_tokens
+        return self.inputs.validate(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> int:

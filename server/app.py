@@ -109,7 +109,7 @@ class ServerState:
         self.metrics.observe(outputs)
         self.live.observe(outputs)
 
-    def stats(self) -> EngineStats | None:
+    def stats(self) -> EngineStats | dict[str, EngineStats] | None:
         if self.engine is None or not self.engine.alive:  # a dead engine's gauges would be stale
             return None
         return self.engine.stats()
@@ -126,8 +126,17 @@ class ServerState:
         return self.engine
 
 
-def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) -> FastAPI:
-    """`engine_factory` runs in a background thread at start-up; /health answers 503 until it returns."""
+def start_local(engine: LLMEngine, config: ServerConfig, on_outputs: Callable, loop) -> AsyncEngine:
+    """The single server: the engine's own thread, bridged to this event loop."""
+    aeng = AsyncEngine(engine, config.limits, on_outputs=on_outputs)
+    aeng.start(loop)
+    return aeng
+
+
+def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: Callable = start_local) -> FastAPI:
+    """`engine_factory` runs in a background thread at start-up; /health answers 503 until it returns. `start`
+    turns what it built into what the pipeline drives: an AsyncEngine here, a Fleet of replicas on Ray
+    (server/ray_app.py), called as start(built, config, on_outputs, loop)."""
     state = ServerState(config)
     serving = Serving(state.ready_engine, config.served_model_name, config.prefix_cache_per_key,
                       config.disconnect_poll_s, state.metrics.reject)
@@ -145,9 +154,7 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
                 if state.on_load_error is not None:
                     state.on_load_error()
                 return
-            aeng = AsyncEngine(engine, config.limits, on_outputs=state.observe)
-            aeng.start(loop)
-            state.engine = aeng
+            state.engine = start(engine, config, state.observe, loop)
             logger.info("ready: serving %s (max_model_len %d)", config.served_model_name, engine.max_model_len)
 
         threading.Thread(target=load, name="pagedserve-load", daemon=True).start()
@@ -216,11 +223,15 @@ def create_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig) ->
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/engine/state", response_model=EngineState, responses=_errors(401, 503))
+    @app.get("/v1/engine/state", response_model=EngineState, responses=_errors(401, 404, 503))
     async def engine_state_(raw: Request):
         """What the engine is doing now: counts, the last step, the KV pool block by block, who holds what; ids
-        only for the caller's own requests, never any text. Built by the engine loop between two steps."""
+        only for the caller's own requests, never any text. Built by the engine loop between two steps. (With
+        --replicas each replica has its own pool: 404.)"""
         aeng = state.ready_engine()
+        if not hasattr(aeng, "snapshot"):
+            raise APIError(404, "the engine view is served by a single server, not by --replicas",
+                           "invalid_request_error", code="not_found")
         try:
             snap = await aeng.snapshot(STATE_TIMEOUT_S)
         except EngineDeadError as e:

@@ -56,7 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from pagedserve.engine.models.loader import load_config
     from pagedserve.engine.models.resolver import resolve_model
     from pagedserve.server.app import create_app, uvicorn_config
-    from pagedserve.server.config import ServerConfig
+    from pagedserve.server.config import ReplicaConfig, ServerConfig
 
     config = _engine_config(args)
     server = ServerConfig(**options(args, ServerConfig), limits=AdmissionLimits(**options(args, AdmissionLimits)))
@@ -74,6 +74,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     config = dataclasses.replace(config, model=files.path)
     if server.served_model_name is None:
         server = dataclasses.replace(server, served_model_name=files.name)
+    replicas = ReplicaConfig(**options(args, ReplicaConfig))
+    if replicas.replicas is not None:
+        _serve_replicas(config, server, replicas)
+        return
     app = create_app(lambda: LLMEngine(config), server)
     _raise_open_files_limit()  # the connection cap, not the file limit, should decide who is refused
     print(f"pagedserve: serving {server.served_model_name!r} on http://{server.host}:{server.port}/v1 "
@@ -84,6 +88,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if app.state.pagedserve.load_error is not None:  # never a server that answers 503 for ever
         e = app.state.pagedserve.load_error
         _fail(f"the model failed to load: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+def _serve_replicas(config, server, replicas) -> None:
+    """Ray is imported here and only here: without --replicas the server never loads it."""
+    if replicas.replicas < 1:
+        _fail("--replicas must be at least 1")
+    try:
+        from pagedserve.server import ray_app
+    except ImportError as e:
+        _fail(f"--replicas needs Ray Serve: pip install 'pagedserve[ray]' ({e})")
+    ray_app.run(config, server, replicas)
 
 
 def _fail(message: str) -> typing.NoReturn:
@@ -208,12 +223,13 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="command", required=True)
 
     from pagedserve.engine.async_engine import AdmissionLimits
-    from pagedserve.server.config import ServerConfig
+    from pagedserve.server.config import ReplicaConfig, ServerConfig
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _engine_args(p)
     add_options(p, ServerConfig, "server")
     add_options(p, AdmissionLimits, "admission")
+    add_options(p, ReplicaConfig, "replicas (Ray Serve)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate from a prompt, streaming to the terminal")

@@ -32,3 +32,21 @@ class ServerConfig:
 
     def api_keys(self) -> tuple[str, ...]:
         return tuple(k.strip() for k in (self.api_key or "").split(",") if k.strip())
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """Serving past one process: engine replicas on Ray Serve (server/ray_app.py; needs `pagedserve[ray]`)."""
+
+    replicas: int | None = opt(None, "serve with this many engine replicas on Ray Serve, behind one ingress with a "
+                                     "prefix-cache-aware router (default: one engine in this process, no Ray)")
+    ray_address: str | None = opt(None, "with --replicas: the Ray cluster to join, `auto` (one started with `ray "
+                                        "start`) or HOST:PORT (default: start a local one)")
+    threads: int | None = opt(None, "with --replicas: CPU threads per replica, also the CPUs Ray reserves for each "
+                                    "(default: this machine's cores / replicas)")
+    router: str = opt("prefix", "with --replicas: how requests pick a replica: `prefix` (longest cached prefix "
+                                "unless load is imbalanced) or `pow2` (Ray's default)", choices=("prefix", "pow2"))
+    ingress_cpus: float = 0.0  # the ingress tokenizes and relays; it reserves no CPU from the replicas
+    health_check_period_s: float = 2.0  # how soon Ray notices a dead replica and replaces it
+    routing_stats_period_s: float = 0.5  # how often replicas publish their load to the router
+    router_kwargs: dict = field(default_factory=dict)  # PrefixAffinity's thresholds

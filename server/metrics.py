@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter as Tally
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -17,9 +17,10 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class _EngineCollector:
-    """Gauges and counters read from the engine at scrape time."""
+    """Gauges and counters read from the engine at scrape time: one engine's snapshot, or a fleet's (replica id ->
+    snapshot), which adds a `replica` label and keeps the names, so a dashboard sums or splits as it likes."""
 
-    def __init__(self, snapshot: Callable[[], EngineStats | None], model_name: str) -> None:
+    def __init__(self, snapshot: Callable[[], EngineStats | Mapping[str, EngineStats] | None], model_name: str) -> None:
         self.snapshot = snapshot
         self.model_name = model_name
 
@@ -27,24 +28,27 @@ class _EngineCollector:
         snap = self.snapshot()
         if snap is None:
             return
-        labels = ["model_name"]
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Requests in the running batch.", snap.num_running),
-            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", snap.num_waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1 (1 = every block in use).", snap.kv_cache_usage),
+        if isinstance(snap, EngineStats):
+            labels, rows = ["model_name"], [([self.model_name], snap)]
+        else:
+            labels, rows = ["model_name", "replica"], [([self.model_name, r], s) for r, s in sorted(snap.items())]
+        for name, doc, kind, field in (
+            ("vllm:num_requests_running", "Requests in the running batch.", GaugeMetricFamily, "num_running"),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", GaugeMetricFamily, "num_waiting"),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1 (1 = every block in use).", GaugeMetricFamily,
+             "kv_cache_usage"),
+            ("vllm:num_preemptions", "Preemptions (blocks ran out; the request is recomputed).", CounterMetricFamily,
+             "num_preemptions"),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", CounterMetricFamily,
+             "prefix_cache_queries"),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", CounterMetricFamily,
+             "prefix_cache_hits"),
         ):
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric([self.model_name], value)
-            yield g
-        for name, doc, value in (
-            ("vllm:num_preemptions", "Preemptions (blocks ran out; the request is recomputed).", snap.num_preemptions),
-            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", snap.prefix_cache_queries),
-            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", snap.prefix_cache_hits),
-        ):
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric([self.model_name], value)
-            yield c
-        spec = snap.spec_decode
+            m = kind(name, doc, labels=labels)
+            for values, s in rows:
+                m.add_metric(values, getattr(s, field))
+            yield m
+        spec = snap.spec_decode if isinstance(snap, EngineStats) else None
         if spec is not None:  # only when speculative decoding is on, as in vLLM
             yield from _spec_metrics(spec, self.model_name)
 
@@ -67,7 +71,7 @@ def _spec_metrics(spec, model_name: str):
 
 
 class Metrics:
-    def __init__(self, model_name: str, snapshot: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineStats | Mapping[str, EngineStats] | None]) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, m = self.registry, ["model_name"]

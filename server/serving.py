@@ -80,8 +80,10 @@ def overloaded(e: OverloadedError) -> APIError:
                     reason=e.reason)
 
 
-def engine_dead() -> APIError:
-    return APIError(503, ENGINE_DEAD, "service_unavailable", code="engine_dead")
+def engine_dead(e: EngineDeadError | None = None) -> APIError:
+    if e is None:
+        return APIError(503, ENGINE_DEAD, "service_unavailable", code="engine_dead")
+    return APIError(503, e.public_message or ENGINE_DEAD, "service_unavailable", code=e.code)
 
 
 @dataclass
@@ -228,7 +230,7 @@ class Serving:
                 aeng.release()
             raise overloaded(e) from e
         except EngineDeadError as e:
-            raise engine_dead() from e
+            raise engine_dead(e) from e
         return aeng
 
     def cache_salt(self, body, raw: Request) -> str | None:
@@ -298,9 +300,16 @@ class Serving:
                 await asyncio.wait(pending, timeout=max(timeout, 0), return_when=asyncio.FIRST_COMPLETED)
                 if await raw.is_disconnected():
                     raise APIError(499, "client disconnected", "client_closed_request")
-        except BaseException:
+            for w in waiters:  # ended before it started: refused by every replica, or its replica died twice
+                if (e := w.exception()) is not None:
+                    raise e
+        except BaseException as e:
             for s in streams:
                 s.close()
+            if isinstance(e, OverloadedError):
+                raise overloaded(e) from e
+            if isinstance(e, EngineDeadError):
+                raise engine_dead(e) from e
             raise
         finally:
             for w in waiters:
@@ -326,7 +335,7 @@ class Serving:
                     raise APIError(499, "client disconnected", "client_closed_request")
             task.result()
         except EngineDeadError as e:
-            raise engine_dead() from e
+            raise engine_dead(e) from e
         finally:
             if not task.done():
                 task.cancel()
@@ -350,8 +359,8 @@ class Serving:
                 yield chunk.model_dump_json()
             if include_usage:
                 yield endpoint.usage_chunk(usage(built, outs)).model_dump_json()
-        except EngineDeadError:
-            yield _json(error_body(ENGINE_DEAD, "service_unavailable", code="engine_dead"))
+        except EngineDeadError as e:
+            yield _json(error_body(e.public_message or ENGINE_DEAD, "service_unavailable", code=e.code))
         except InvalidRequestError as e:
             yield _json(error_body(e.message, "invalid_request_error", e.param, e.code or "invalid_request"))
         except Exception:  # noqa: BLE001 - details go to the log only

@@ -29,13 +29,30 @@ from pagedserve.engine.quant.formats import quantize
 torch.manual_seed(0)
 table = KernelTable(cpp=True)
 gemv_max = table.quant_gemv_max_rows
-for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+import numpy as np
+from pagedserve.benchmarks.gguf_quants import random_blocks
+from pagedserve.engine.quant.formats import cat
+from pagedserve.engine.quant.gguf_blocks import GGUFBlocks
+
+
+def weights():
+    # our formats (int4 with a Q4_1-style bias: every path bias term), then GGUF types and mixed fusions
     for fmt, (n, k), group in (("int8", (112, 1152), 32), ("int8", (960, 576), 32), ("int8", (48, 8224), 32),
                                ("int4", (112, 1152), 32), ("int4", (64, 1120), 32), ("int4", (960, 576), 64),
                                ("int4", (576, 1536), 128)):
         qw = quantize(torch.randn(n, k) * 0.02, fmt, group)
-        if fmt == "int4":  # a Q4_1-style zero point: the bias term of every int4 path is exercised
-            qw.zero = (torch.randn(n, k // group) * 0.01).half().float() + 8 * qw.scale.float()
+        if fmt == "int4":
+            qw.bias, qw.symmetric = (torch.randn(n, k // group) * 0.01).half(), False
+        yield qw
+    rng = np.random.default_rng(0)
+    for kinds in (("Q4_K",), ("Q5_K",), ("Q6_K",), ("Q5_0",), ("Q5_1",), ("Q4_K", "Q6_K"), ("Q4_0", "Q6_K")):
+        yield cat([GGUFBlocks(t, random_blocks(t, 64, 1024, rng), (64, 1024)).storage() for t in kinds])
+
+
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+    for qw in weights():
+        n, k = qw.shape
+        fmt = qw.format
         ref = qw.dequantize()
         lin = Linear(k, n)
         lin.quantize_to(qw)

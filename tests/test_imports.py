@@ -108,11 +108,27 @@ def test_layers_point_one_way():
 
 
 def test_every_module_imports_in_a_fresh_interpreter():
-    skip = {"pagedserve.server.__main__"}  # runs the CLI
+    # __main__ runs the CLI; the Ray modules need the optional extra (the Ray tier imports them)
+    skip = {"pagedserve.server.__main__", *RAY_MODULES}
     mods = sorted(m for m in _modules() if m not in skip)
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint('ok')"
     out = subprocess.run([sys.executable, "-c", code, *mods], cwd="/", capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+RAY_MODULES = ("pagedserve.server.ray_app", "pagedserve.server.ray_router")
+
+
+def test_ray_is_imported_only_by_the_ray_modules():
+    """Without --replicas nothing loads Ray: the server, the CLI and every other module import without it."""
+    mods = sorted(m for m in _modules() if m not in ("pagedserve.server.__main__", *RAY_MODULES))
+    code = ("import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+            "from pagedserve.server.cli import main\n"
+            "print('ray' in sys.modules or any(k.startswith('ray.') for k in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, *mods], cwd="/", capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().endswith("False"), out.stderr[-3000:]
+    for m in RAY_MODULES:
+        assert "ray" in ast.unparse(ast.parse(_modules()[m].read_text()))  # these, and only these, may
 
 
 def test_no_private_names_cross_modules():

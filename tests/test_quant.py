@@ -116,12 +116,11 @@ def test_kernels_match_dequantize_reference(fmt, shape, dtype):
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_gemv_every_row_count_and_group(group, dtype):
     """The int4 GEMV's row splits (ROW_COUNTS, up to the first GEMM row count), every group size
-    (one activation scale per weight group, or 2 or 4 of them), and a Q4_1-style zero folded into the bias."""
+    (one activation scale per weight group, or 2 or 4 of them), and a Q4_1-style bias (w = d c + m)."""
     torch.manual_seed(5)
     n, k = 112, 1152
     qw = quantize(torch.randn(n, k) * 0.02, "int4", group)
-    m = (torch.randn(n, k // group) * 0.01).half().float()  # Q4_1's m: zero = m + 8 d (quantize is symmetric)
-    qw.zero = m + 8 * qw.scale.float()
+    qw.bias, qw.symmetric = (torch.randn(n, k // group) * 0.01).half(), False  # Q4_1's m (quantize is symmetric)
     ref_w = qw.dequantize()
     lin = linear(qw, dtype)
     tol = TOL[getattr(qw, "kernel_dtype", None) or dtype]
@@ -166,14 +165,12 @@ def test_int8_gemv_odd_widths_and_without_our_kernel(built):
 
 @pytest.mark.parametrize("zero", [False, True])
 def test_int4_without_our_kernel_matches(zero):
-    """Our int4 GEMV and torch's packed kernel (the fallback) compute the same products, with Q4_1-style zeros."""
+    """Our int4 GEMV and torch's packed kernel (the fallback) compute the same products, with Q4_1-style biases."""
     torch.manual_seed(5)
     qw = Int4Weight.quantize(torch.randn(48, 128), 32)
-    if zero:  # as the GGUF loader maps Q4_1's d * c + m: zero = m + 8d, with fp16 d and m
-        m = (torch.randn(48, 4) * 0.1).half().float()
-        qw = Int4Weight(qw.codes, qw.scale, m + 8 * qw.scale.float(), "int4", 32)
-    ours, theirs = Int4Weight(qw.codes, qw.scale, qw.zero, "int4", 32), Int4Weight(qw.codes, qw.scale, qw.zero,
-                                                                                      "int4", 32)
+    if zero:  # as the GGUF loader maps Q4_1's d * c + m: fp16 d and m
+        qw = Int4Weight(qw.codes, qw.scale, (torch.randn(48, 4) * 0.1).half(), "int4", 32)
+    ours, theirs = (Int4Weight(qw.codes, qw.scale, qw.bias, "int4", 32) for _ in range(2))
     ref_w = qw.dequantize()
     lin_ours = linear(ours, torch.float32, KernelTable(cpp=True))
     lin_theirs = linear(theirs, torch.float32, KernelTable(cpp=False, torch_int_bf16=True))
@@ -207,39 +204,42 @@ def test_gguf_blocks_map_directly(kind):
     """The bundled GGUF's own Q4_1 projection / Q8_0 embedding, as our storage, equals gguf's dequantize."""
     import gguf
 
-    from pagedserve.engine.quant.loading import GGUFBlocks
+    from pagedserve.engine.quant.gguf_blocks import GGUFBlocks
+    from pagedserve.engine.quant.loading import QuantSpec, quantize_tensor
 
     t = _gguf_tensor(kind)
     shape = (int(t.shape[1]), int(t.shape[0]))
     ref = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
     blocks = GGUFBlocks(kind, np.asarray(t.data), shape)
-    qw = blocks.direct("int4", 32, embedding=kind == "Q8_0")
-    assert qw is not None and qw.format == ("int4" if kind == "Q4_1" else "int8")
-    got = qw.dequantize().numpy()
-    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+    qw = quantize_tensor(blocks, QuantSpec("int4"), 32, embedding=kind == "Q8_0")
+    assert qw.from_blocks and qw.format == ("int4" if kind == "Q4_1" else "int8")
+    assert torch.equal(qw.dequantize(), torch.from_numpy(ref))
     if kind == "Q4_1":  # and the CPU kernel computes with those values
         lin = linear(qw, torch.float32)
         x = torch.randn(2, shape[1])
         assert qw.layout == "panels" and _rel(lin(x), x @ torch.from_numpy(ref).t()) < GEMV_TOL
     else:  # an embedding lookup returns the dequantized rows, and (a tied LM head) the kernels use the Q8_0 scales
         ids = torch.tensor([0, 5, 49151])
-        np.testing.assert_allclose(qw.rows(ids, torch.float32).numpy(), ref[ids.numpy()], rtol=1e-6, atol=1e-7)
+        assert torch.equal(qw.rows(ids, torch.float32), torch.from_numpy(ref[ids.numpy()]))
         lin = linear(qw, torch.float32)
         assert qw.layout == "panels"  # our int8 panels, with a scale per 32
-        np.testing.assert_allclose(qw.rows(ids, torch.float32).numpy(), ref[ids.numpy()], rtol=1e-6, atol=1e-7)
+        assert torch.equal(qw.rows(ids, torch.float32), torch.from_numpy(ref[ids.numpy()]))
         for m in (2, INT8_PACKED_MAX_M + 1):  # the GEMV, then the tiled GEMM
             x = torch.randn(m, shape[1])
             tol = GEMV_TOL if m <= INT8_PACKED_MAX_M else TOL[torch.float32]
             assert _rel(lin(x), x @ torch.from_numpy(ref).t()) < tol * 2, m
-    assert blocks.direct("int8", 32) is None or kind == "Q8_0"  # Q4 blocks do not fit per-row int8
+    # Q4 blocks do not fit per-row int8: requantized
+    assert not getattr(quantize_tensor(blocks, QuantSpec("int8"), 32), "from_blocks", False) or kind == "Q8_0"
 
 
 def test_q4_blocks_need_group_32():
-    from pagedserve.engine.quant.loading import GGUFBlocks
+    from pagedserve.engine.quant.gguf_blocks import GGUFBlocks
+    from pagedserve.engine.quant.loading import QuantSpec, quantize_tensor
 
     t = _gguf_tensor("Q4_1")
     blocks = GGUFBlocks("Q4_1", np.asarray(t.data), (int(t.shape[1]), int(t.shape[0])))
-    assert blocks.direct("int4", 64) is None and blocks.direct("nf4", 32) is None
+    for spec, group in ((QuantSpec("int4"), 64), (QuantSpec("nf4"), 32)):
+        assert not getattr(quantize_tensor(blocks, spec, group), "from_blocks", False)
 
 
 def test_int8_tensor_scale_per_original_matrix():

@@ -454,3 +454,23 @@ def test_chat_cli_streams_a_reply(server):
     assert f"chatting with {MODEL}" in out.stdout
     reply = out.stdout.split("assistant> ", 1)[1].splitlines()[0]
     assert reply.strip()
+
+
+def test_usage_reports_cached_tokens_on_every_response(client):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: 0 on a cold prompt, the prefix-cache hit (whole blocks)
+    on a repeat; in chat and completions, streamed (the usage chunk) or not."""
+    prompt = "A cold prompt about cached tokens, long enough for several blocks. " * 4
+    messages = [{"role": "user", "content": prompt}]
+    cold = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    warm = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached < warm.usage.prompt_tokens
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    comp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert comp.usage.prompt_tokens_details.cached_tokens == 0
+    comp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                     stream_options={"include_usage": True})
+    assert list(comp)[-1].usage.prompt_tokens_details.cached_tokens > 0

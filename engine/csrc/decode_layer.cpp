@@ -11,8 +11,9 @@
 //
 // Each projection comes as a list of tensors, its kernel told by the first one's dtype:
 //   float (bf16/fp16/fp32) [weight] or [weight, bias]           -> dense_linear
-//   int8                   [panel codes, scale] (+ bias)              -> int8_linear
-//   uint8                  [panel codes, group scale, group bias] (+ bias) -> int4_linear
+//   int8 or uint8          [panel codes, scale, bias, scale_d, bias_d] (+ bias)  -> int8_linear, or int4_linear /
+//                          int6_linear (uint8 codes: 8 or 12 bytes per panel per input feature)
+// (the group values as the panel ops take them, an empty tensor where one is absent; then the layer's own bias)
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -24,21 +25,14 @@
 namespace {
 
 at::Tensor project(const at::Tensor& x, at::TensorList w) {
-  at::Tensor y;
-  size_t used = 1;
-  switch (w[0].scalar_type()) {
-    case at::kChar:
-      y = pagedserve::int8_linear(x, w[0], w[1]);
-      used = 2;
-      break;
-    case at::kByte:
-      y = pagedserve::int4_linear(x, w[0], w[1], w[2]);
-      used = 3;
-      break;
-    default:
-      return pagedserve::dense_linear(x, w[0], w.size() > 1 ? std::optional<at::Tensor>(w[1]) : std::nullopt);
-  }
-  if (w.size() > used) y.add_(w[used]);  // a quantized projection's own bias, as QuantLinear adds it
+  const auto type = w[0].scalar_type();
+  if (type != at::kChar && type != at::kByte)
+    return pagedserve::dense_linear(x, w[0], w.size() > 1 ? std::optional<at::Tensor>(w[1]) : std::nullopt);
+  TORCH_CHECK(w.size() >= 5, "decode_layer: a quantized projection takes 5 operands");
+  auto op = type == at::kChar ? pagedserve::int8_linear
+            : w[0].size(1) == 12 * x.size(1) ? pagedserve::int6_linear : pagedserve::int4_linear;
+  auto y = op(x, w[0], w[1], w[2], w[3], w[4]);
+  if (w.size() > 5) y.add_(w[5]);  // a quantized projection's own bias, as QuantLinear adds it
   return y;
 }
 

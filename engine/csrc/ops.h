@@ -9,8 +9,15 @@
 namespace pagedserve {
 
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
+                       const std::optional<at::Tensor>& bias_d);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
+                       const std::optional<at::Tensor>& bias_d);
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
+                       const std::optional<at::Tensor>& bias_d);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);

@@ -1,5 +1,6 @@
-// y = x W^T against int8 (a scale per output row, or per 32 values: llama.cpp's Q8_0) or int4 (group-wise)
-// weights: a GEMV for a few rows of x, a tiled GEMM for many.
+// y = x W^T against int8 or int4 codes with a scale (and a bias) per group of K: a GEMV for a few rows of x, a
+// tiled GEMM for many. The groups cover our own formats (a scale per row or per group) and llama.cpp's blocks as
+// the GGUF file holds them (Q8_0, Q4_0/1, Q5_0/1, and the K-quants' sub-block scales under a super-block factor).
 //
 // At decode a step reads every weight once, so the cost is the weight bytes: the GEMVs stream the weights once,
 // multiplying their integer codes by int8 codes of the activations, where torch's `_weight_int8pack_mm` stays
@@ -37,15 +38,24 @@ using pagedserve::narrow;
 using pagedserve::widen;
 
 // ---- layout ----------------------------------------------------------------------------------------
-// w[n, k] = c * scale[n, g] + bias[n, g] for the code c of k in group g = k / group (int8: c signed, no bias), so
+// w[n, k] = c * scale[n, g] + bias[n, g] for the code c of k in group g = k / group (a multiple of 32, or 16:
+// Q6_K's sub-blocks); int8 codes are signed and may have no bias, int4 codes are 0..15 and always have one. So
 //   y = sum_g scale_g * sum_{k in g} c_k x_k  +  sum_g bias_g * sum_{k in g} x_k.
 // Rows come in panels of 16 (engine/quant/formats.py to_panels / int8_to_panels). Per step of K, a panel holds
 // 64 bytes, row r's 4 bytes at 4r: int4 steps are 8 codes (byte i: code 8q + i in its low nibble, 8q + 4 + i
 // in its high one), int8 steps 4 codes (byte i: code 4q + i). Scale and bias are [N / 16, G, 16]. So one 64-byte
 // load feeds 16 rows at once, each int32 lane one row: no horizontal sums, no per-row setup, and a group's 16
-// scales are one load. Row by row (the earlier layouts) the GEMVs were compute-bound, below the memory's speed,
+// scales are one load. A scale or bias is stored as fp16/fp32, or as 8-bit codes times an fp16 factor per
+// super-block of groups (GroupValues): llama.cpp's K-quants keep 6- or 8-bit sub-block scales under one fp16 d,
+// and their product is exact in fp32, where an fp16 copy of it would round. Row by row (the earlier layouts) the GEMVs were compute-bound, below the memory's speed,
 // and int8 on int16 activation codes slower than int4 per weight byte, the more so at several rows
 // (figures: docs/performance.md).
+// 6-bit codes (0..63: Q6_K, Q5_x, and fusions mixing them with Q4_K) keep the int4 steps for their low 4 bits and
+// add their high 2 bits in a plane beside them: per 32 codes of a panel, the 4 nibble steps (256 bytes) and then
+// 2 x 64 bytes of 2-bit pieces, byte 4r + i of piece h holding bits 4-5 of row r's codes 16h + i, 16h + 4 + i,
+// 16h + 8 + i, 16h + 12 + i in its bits 0-1, 2-3, 4-5, 6-7 (a step's two nibble halves, then the next step's).
+// They hold c + 32 for codes c in -32..31 (the 32 comes off with the bias term, as int8's 128 does), so a
+// 6-bit weight costs 6 bits, as in the file, and the GEMV does the int4 work plus two shifts and masks.
 // The activations are int8 codes with a scale per 32 values (llama.cpp's Q8_0: relative error <= 1/254 of the
 // block's absmax, ~0.5 % of a product), so one u8 x s8 vpdpbusd does 64 multiply-adds. int4 codes are u8 as
 // they are; int8 codes go in as c + 128, and 128 * sum(x) comes off with the bias term (below). The bias term
@@ -66,10 +76,10 @@ Int8Blocks quantize_blocks(const T* x, int64_t M, int64_t K, int64_t G) {
   r.q.assign(M * K + 4, 0);
   r.scale.assign(M * K / XB, 0.f);
   r.xsum.assign(M * G, 0.f);
-  const int64_t blocks_per_group = K / G / XB;
+  const int64_t group = K / G;  // 16 or a multiple of 32: each 16 codes lie in one group
   float xf[XB];
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < K / XB; ++b) {  // K is a multiple of the group, itself a multiple of 32
+    for (int64_t b = 0; b < K / XB; ++b) {
       const T* src = x + m * K + b * XB;
       int8_t* q = r.q.data() + m * K + b * XB;
       float amax = 0.f;
@@ -78,25 +88,87 @@ Int8Blocks quantize_blocks(const T* x, int64_t M, int64_t K, int64_t G) {
         amax = std::max(amax, std::abs(xf[i]));
       }
       const float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
-      int32_t sum = 0;
+      int32_t sum[2] = {0, 0};  // per half block
       int64_t i = 0;
 #ifdef PAGEDSERVE_AVX512
       const __m512 vinv = _mm512_set1_ps(inv);
       for (; i < XB; i += 16) {  // round to nearest even, as the scalar form
         const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xf + i), vinv));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(c));
-        sum += _mm512_reduce_add_epi32(c);
+        sum[i / 16] += _mm512_reduce_add_epi32(c);
       }
 #endif
       for (; i < XB; ++i) {
         q[i] = static_cast<int8_t>(std::nearbyint(xf[i] * inv));  // |code| <= 127
-        sum += q[i];
+        sum[i / 16] += q[i];
       }
       r.scale[m * K / XB + b] = scale;
-      r.xsum[m * G + b / blocks_per_group] += static_cast<float>(sum) * scale;
+      for (int h = 0; h < 2; ++h) r.xsum[m * G + (b * XB + 16 * h) / group] += static_cast<float>(sum[h]) * scale;
     }
   }
   return r;
+}
+
+// A panel's per-group values (scales or biases), [N / 16, G, 16]: fp16 or fp32 as they are, or int8/uint8 codes
+// times an fp16 factor [N / 16, G / per_d, 16] shared by per_d groups (a K-quant's super-block).
+struct GroupValues {
+  const void* v = nullptr;  // null: all zero (no bias)
+  at::ScalarType type = at::kFloat;
+  const at::Half* d = nullptr;
+  int64_t G = 1, per_d = 1;
+
+  float value(int64_t p, int64_t g, int64_t r) const {
+    const int64_t i = (p * G + g) * PANEL + r;
+    switch (type) {
+      case at::kFloat: return static_cast<const float*>(v)[i];
+      case at::kHalf: return widen(static_cast<const at::Half*>(v)[i]);
+      case at::kByte: return static_cast<float>(static_cast<const uint8_t*>(v)[i]) * factor(p, g, r);
+      default: return static_cast<float>(static_cast<const int8_t*>(v)[i]) * factor(p, g, r);
+    }
+  }
+  float factor(int64_t p, int64_t g, int64_t r) const { return widen(d[(p * (G / per_d) + g / per_d) * PANEL + r]); }
+#ifdef PAGEDSERVE_AVX512
+  // the 16 rows' values of group g in panel p
+  __m512 load(int64_t p, int64_t g) const {
+    const int64_t i = (p * G + g) * PANEL;
+    switch (type) {
+      case at::kFloat: return _mm512_loadu_ps(static_cast<const float*>(v) + i);
+      case at::kHalf:
+        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const at::Half*>(v) + i)));
+      default: {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(v) + i));
+        const __m512i c = type == at::kByte ? _mm512_cvtepu8_epi32(b) : _mm512_cvtepi8_epi32(b);
+        const __m256i f = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + (p * (G / per_d) + g / per_d) * PANEL));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_cvtph_ps(f));
+      }
+    }
+  }
+#endif
+};
+
+// where a step q's codes sit: 64 bytes of nibbles (int4, int6) or int8 codes, and for int6 the 64 bytes of
+// 2-bit pieces that step shares with its neighbour (BLOCK6 bytes per 32 codes of a panel)
+constexpr int64_t BLOCK6 = 384;
+template <int BITS>
+inline int64_t step_offset(int64_t q) {
+  return BITS == 6 ? (q / 4) * BLOCK6 + (q % 4) * 64 : q * 64;
+}
+inline int64_t pieces_offset(int64_t q) { return (q / 4) * BLOCK6 + 256 + ((q % 4) / 2) * 64; }
+
+// code j (0 .. 8, or 4 for int8) of row r in step q
+template <int BITS>
+inline int32_t panel_code(const uint8_t* c, int64_t q, int64_t r, int j) {
+  if constexpr (BITS == 8) {
+    return static_cast<int8_t>(c[q * 64 + 4 * r + j]);
+  } else {
+    const uint8_t byte = c[step_offset<BITS>(q) + 4 * r + (j & 3)];
+    int32_t code = j < 4 ? byte & 15 : byte >> 4;
+    if constexpr (BITS == 6) {
+      const uint8_t piece = c[pieces_offset(q) + 4 * r + (j & 3)];
+      code |= ((piece >> (4 * (q % 2) + 2 * (j >= 4))) & 3) << 4;
+    }
+    return code;
+  }
 }
 
 inline int32_t load4(const int8_t* p) {
@@ -118,17 +190,13 @@ constexpr bool INT8_OFFSET = true;  // int8 codes + 128 as u8 for vpdpbusd
 constexpr bool INT8_OFFSET = false;
 #endif
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-template <int BITS, int MR, typename S>
-inline void panel_dot(const uint8_t* c, const S* scale, const S* bias, const Int8Blocks& x, int64_t m0, int64_t K,
-                      int64_t G, float (*y)[PANEL]) {
-  constexpr int STEPS = BITS == 4 ? 4 : 8;
-  const int64_t bpg = K / G / XB;  // activation blocks per group
+template <int BITS, int MR>
+inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupValues& bias, int64_t p,
+                      const Int8Blocks& x, int64_t m0, int64_t K, int64_t G, float (*y)[PANEL]) {
+  constexpr int PER = BITS == 8 ? 4 : 8, STEPS = XB / PER;  // codes per 64-byte step, steps per activation block
+  const int64_t spg = K / G / PER;  // steps per group: STEPS / 2 (groups of 16) or a multiple of STEPS
   const __m512i nib = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i top = _mm512_set1_epi8(0x30);
   const int8_t* xq[MR];
   const float* xs[MR];
   __m512 f[MR];
@@ -137,49 +205,64 @@ inline void panel_dot(const uint8_t* c, const S* scale, const S* bias, const Int
     xs[m] = x.scale.data() + (m0 + m) * K / XB;
     f[m] = _mm512_setzero_ps();
   }
-  int64_t blk = 0;
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 fg[MR];
-    for (int m = 0; m < MR; ++m) fg[m] = _mm512_setzero_ps();
-    for (int64_t e = blk + bpg; blk < e; ++blk) {
-      // two chains per row for up to 4 rows (a block's multiply-adds are not then one dependent sequence), one for
-      // 8 rows, whose 8 chains are independent enough and whose registers would not hold 16
-      constexpr int CH = MR <= 4 ? 2 : 1;
-      __m512i t[MR][CH];
-      for (int m = 0; m < MR; ++m)
-        for (int h = 0; h < CH; ++h) t[m][h] = _mm512_setzero_si512();
-      for (int q = 0; q < STEPS; ++q) {
-        const __m512i b = _mm512_loadu_si512(c + (blk * STEPS + q) * 64);
-        if constexpr (BITS == 4) {
-          const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
-          for (int m = 0; m < MR; ++m) {
-            const int8_t* a = xq[m] + blk * XB + 8 * q;
-            t[m][q % CH] = PAGEDSERVE_DPBUSD(t[m][q % CH], lo, _mm512_set1_epi32(load4(a)));
-            t[m][q % CH] = PAGEDSERVE_DPBUSD(t[m][q % CH], hi, _mm512_set1_epi32(load4(a + 4)));
-          }
-        } else if constexpr (INT8_OFFSET) {
-          const __m512i u = _mm512_xor_si512(b, flip);
-          for (int m = 0; m < MR; ++m)
-            t[m][q % CH] = PAGEDSERVE_DPBUSD(t[m][q % CH], u, _mm512_set1_epi32(load4(xq[m] + blk * XB + 4 * q)));
-        } else {
-          const __m512i u = _mm512_abs_epi8(b);
-          const __mmask64 neg = _mm512_movepi8_mask(b);
-          for (int m = 0; m < MR; ++m) {
-            const __m512i a = _mm512_set1_epi32(load4(xq[m] + blk * XB + 4 * q));
-            t[m][q % CH] = PAGEDSERVE_DPBUSD(t[m][q % CH], u, _mm512_mask_sub_epi8(a, neg, _mm512_setzero_si512(), a));
+  __m512 fg[MR];
+  // NS steps from q (within one activation block and one group) into fg
+  auto run = [&](auto ns, int64_t q0) {
+    constexpr int NS = decltype(ns)::value;
+    // two chains per row for up to 4 rows (a block's multiply-adds are not then one dependent sequence), one for
+    // 8 rows, whose 8 chains are independent enough and whose registers would not hold 16
+    constexpr int CH = MR <= 4 ? 2 : 1;
+    __m512i t[MR][CH];
+    for (int m = 0; m < MR; ++m)
+      for (int h = 0; h < CH; ++h) t[m][h] = _mm512_setzero_si512();
+    for (int s = 0; s < NS; ++s) {
+      const int64_t q = q0 + s;
+      const __m512i b = _mm512_loadu_si512(c + step_offset<BITS>(q));
+      if constexpr (BITS != 8) {
+        __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
+        if constexpr (BITS == 6) {  // q0 is even: step q's pieces are bits 0-3 (s even) or 4-7 of each byte
+          const __m512i pc = _mm512_loadu_si512(c + pieces_offset(q));
+          if (s % 2 == 0) {
+            lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(pc, 4), top));
+            hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(pc, 2), top));
+          } else {
+            lo = _mm512_or_si512(lo, _mm512_and_si512(pc, top));
+            hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(pc, 2), top));
           }
         }
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* a = xq[m] + 8 * q;
+          t[m][s % CH] = PAGEDSERVE_DPBUSD(t[m][s % CH], lo, _mm512_set1_epi32(load4(a)));
+          t[m][s % CH] = PAGEDSERVE_DPBUSD(t[m][s % CH], hi, _mm512_set1_epi32(load4(a + 4)));
+        }
+      } else if constexpr (INT8_OFFSET) {
+        const __m512i u = _mm512_xor_si512(b, flip);
+        for (int m = 0; m < MR; ++m)
+          t[m][s % CH] = PAGEDSERVE_DPBUSD(t[m][s % CH], u, _mm512_set1_epi32(load4(xq[m] + 4 * q)));
+      } else {
+        const __m512i u = _mm512_abs_epi8(b);
+        const __mmask64 neg = _mm512_movepi8_mask(b);
+        for (int m = 0; m < MR; ++m) {
+          const __m512i a = _mm512_set1_epi32(load4(xq[m] + 4 * q));
+          t[m][s % CH] = PAGEDSERVE_DPBUSD(t[m][s % CH], u, _mm512_mask_sub_epi8(a, neg, _mm512_setzero_si512(), a));
+        }
       }
-      for (int m = 0; m < MR; ++m)
-        fg[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(CH == 2 ? _mm512_add_epi32(t[m][0], t[m][CH - 1]) : t[m][0]),
-                                _mm512_set1_ps(xs[m][blk]), fg[m]);
     }
-    const __m512 sw = load16(scale + g * PANEL);
-    __m512 bw;
-    if constexpr (BITS == 4)
-      bw = load16(bias + g * PANEL);
+    const int64_t blk = q0 * PER / XB;
+    for (int m = 0; m < MR; ++m)
+      fg[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(CH == 2 ? _mm512_add_epi32(t[m][0], t[m][CH - 1]) : t[m][0]),
+                              _mm512_set1_ps(xs[m][blk]), fg[m]);
+  };
+  for (int64_t g = 0; g < G; ++g) {
+    for (int m = 0; m < MR; ++m) fg[m] = _mm512_setzero_ps();
+    if (spg < STEPS)
+      run(std::integral_constant<int, STEPS / 2>{}, g * spg);
     else
-      bw = INT8_OFFSET ? _mm512_mul_ps(sw, _mm512_set1_ps(-128.f)) : _mm512_setzero_ps();
+      for (int64_t q = g * spg; q < (g + 1) * spg; q += STEPS) run(std::integral_constant<int, STEPS>{}, q);
+    const __m512 sw = scale.load(p, g);
+    __m512 bw = bias.v ? bias.load(p, g) : _mm512_setzero_ps();
+    if constexpr (BITS == 8 && INT8_OFFSET) bw = _mm512_fmadd_ps(sw, _mm512_set1_ps(-128.f), bw);
+    if constexpr (BITS == 6) bw = _mm512_fmadd_ps(sw, _mm512_set1_ps(-32.f), bw);
     for (int m = 0; m < MR; ++m)
       f[m] = _mm512_fmadd_ps(fg[m], sw, _mm512_fmadd_ps(bw, _mm512_set1_ps(x.xsum[(m0 + m) * G + g]), f[m]));
   }
@@ -188,47 +271,57 @@ inline void panel_dot(const uint8_t* c, const S* scale, const S* bias, const Int
 #elif defined(__AVX2__)
 // AVX2: the panel's two halves (rows 0-7 in bytes 0-31 of each 64, rows 8-15 in 32-63) in 256-bit vectors; int8
 // as |c| x (x with c's sign), as the non-VNNI AVX-512 form
-template <int BITS, int MR, typename S>
-inline void panel_dot(const uint8_t* c, const S* scale, const S* bias, const Int8Blocks& x, int64_t m0, int64_t K,
-                      int64_t G, float (*y)[PANEL]) {
-  constexpr int STEPS = BITS == 4 ? 4 : 8;
-  const int64_t bpg = K / G / XB;
-  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+template <int BITS, int MR>
+inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupValues& bias, int64_t p,
+                      const Int8Blocks& x, int64_t m0, int64_t K, int64_t G, float (*y)[PANEL]) {
+  constexpr int PER = BITS == 8 ? 4 : 8, STEPS = XB / PER;
+  const int64_t spg = K / G / PER, run = std::min<int64_t>(spg, STEPS);  // steps per group; per accumulation
+  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), top = _mm256_set1_epi8(0x30);
   for (int h = 0; h < 2; ++h) {
     __m256 f[MR];
     for (int m = 0; m < MR; ++m) f[m] = _mm256_setzero_ps();
-    int64_t blk = 0;
     for (int64_t g = 0; g < G; ++g) {
       __m256 fg[MR];
       for (int m = 0; m < MR; ++m) fg[m] = _mm256_setzero_ps();
-      for (int64_t e = blk + bpg; blk < e; ++blk) {
+      for (int64_t q0 = g * spg; q0 < (g + 1) * spg; q0 += run) {
         __m256i t[MR];
         for (int m = 0; m < MR; ++m) t[m] = _mm256_setzero_si256();
-        for (int q = 0; q < STEPS; ++q) {
-          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (blk * STEPS + q) * 64 + 32 * h));
-          if constexpr (BITS == 4) {
-            const __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+        for (int64_t q = q0; q < q0 + run; ++q) {
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + step_offset<BITS>(q) + 32 * h));
+          if constexpr (BITS != 8) {
+            __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+            if constexpr (BITS == 6) {
+              const __m256i pc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + pieces_offset(q) + 32 * h));
+              if (q % 2 == 0) {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(pc, 4), top));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(pc, 2), top));
+              } else {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(pc, top));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(pc, 2), top));
+              }
+            }
             for (int m = 0; m < MR; ++m) {
-              const int8_t* a = x.q.data() + (m0 + m) * K + blk * XB + 8 * q;
-              const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(a))),
-                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load4(a + 4))));
-              t[m] = _mm256_add_epi32(t[m], _mm256_madd_epi16(p, ones));  // 4 * 15 * 127 per int16: no saturation
+              const int8_t* a = x.q.data() + (m0 + m) * K + 8 * q;
+              const __m256i pr = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(a))),
+                                                  _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load4(a + 4))));
+              t[m] = _mm256_add_epi32(t[m], _mm256_madd_epi16(pr, ones));  // 4 * 15 * 127 per int16: no saturation
             }
           } else {
             const __m256i u = _mm256_sign_epi8(b, b);
             for (int m = 0; m < MR; ++m) {
-              const __m256i a = _mm256_set1_epi32(load4(x.q.data() + (m0 + m) * K + blk * XB + 4 * q));
+              const __m256i a = _mm256_set1_epi32(load4(x.q.data() + (m0 + m) * K + 4 * q));
               t[m] = _mm256_add_epi32(t[m], _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(a, b)), ones));
             }
           }
         }
+        const int64_t blk = q0 * PER / XB;
         for (int m = 0; m < MR; ++m)
           fg[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[m]), _mm256_set1_ps(x.scale[(m0 + m) * K / XB + blk]), fg[m]);
       }
-      float sw[8], bw[8] = {};
+      float sw[8], bw[8];
       for (int r = 0; r < 8; ++r) {
-        sw[r] = widen(scale[g * PANEL + 8 * h + r]);
-        if constexpr (BITS == 4) bw[r] = widen(bias[g * PANEL + 8 * h + r]);
+        sw[r] = scale.value(p, g, 8 * h + r);
+        bw[r] = (bias.v ? bias.value(p, g, 8 * h + r) : 0.f) - (BITS == 6 ? 32.f * sw[r] : 0.f);
       }
       for (int m = 0; m < MR; ++m)
         f[m] = _mm256_fmadd_ps(fg[m], _mm256_loadu_ps(sw),
@@ -238,36 +331,26 @@ inline void panel_dot(const uint8_t* c, const S* scale, const S* bias, const Int
   }
 }
 #else
-// code j (0 .. 8 or 4 per step) of row r in step q, and its k offset within the step
-template <int BITS>
-inline int32_t panel_code(const uint8_t* c, int64_t q, int64_t r, int j) {
-  if constexpr (BITS == 4) {
-    const uint8_t byte = c[q * 64 + 4 * r + (j & 3)];
-    return j < 4 ? byte & 15 : byte >> 4;
-  } else {
-    return static_cast<int8_t>(c[q * 64 + 4 * r + j]);
-  }
-}
-
-template <int BITS, int MR, typename S>
-inline void panel_dot(const uint8_t* c, const S* scale, const S* bias, const Int8Blocks& x, int64_t m0, int64_t K,
-                      int64_t G, float (*y)[PANEL]) {
-  constexpr int STEPS = BITS == 4 ? 4 : 8, PER = 32 / STEPS;  // codes per step
-  const int64_t bpg = K / G / XB;
+template <int BITS, int MR>
+inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupValues& bias, int64_t p,
+                      const Int8Blocks& x, int64_t m0, int64_t K, int64_t G, float (*y)[PANEL]) {
+  constexpr int PER = BITS == 8 ? 4 : 8, STEPS = XB / PER;
+  const int64_t spg = K / G / PER, run = std::min<int64_t>(spg, STEPS);
   for (int m = 0; m < MR; ++m) {
     const int8_t* xq = x.q.data() + (m0 + m) * K;
     for (int64_t r = 0; r < PANEL; ++r) {
       float s = 0.f;
       for (int64_t g = 0; g < G; ++g) {
         float sg = 0.f;
-        for (int64_t blk = g * bpg; blk < (g + 1) * bpg; ++blk) {
+        for (int64_t q0 = g * spg; q0 < (g + 1) * spg; q0 += run) {
           int32_t t = 0;
-          for (int64_t q = blk * STEPS; q < (blk + 1) * STEPS; ++q)
+          for (int64_t q = q0; q < q0 + run; ++q)
             for (int j = 0; j < PER; ++j) t += panel_code<BITS>(c, q, r, j) * xq[PER * q + j];
-          sg += static_cast<float>(t) * x.scale[(m0 + m) * K / XB + blk];
+          sg += static_cast<float>(t) * x.scale[(m0 + m) * K / XB + q0 * PER / XB];
         }
-        const float b = BITS == 4 ? widen(bias[g * PANEL + r]) : 0.f;
-        s += sg * widen(scale[g * PANEL + r]) + b * x.xsum[(m0 + m) * G + g];
+        const float sw = scale.value(p, g, r);
+        const float b = (bias.v ? bias.value(p, g, r) : 0.f) - (BITS == 6 ? 32.f * sw : 0.f);
+        s += sg * sw + b * x.xsum[(m0 + m) * G + g];
       }
       y[m][r] = s;
     }
@@ -281,24 +364,22 @@ constexpr int64_t MR_MAX = 8;  // activation rows per pass over a panel
 constexpr int64_t MR_MAX = 4;  // 16 AVX2 registers
 #endif
 
-template <int BITS, typename T, typename S>
-void panel_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S* scale, const S* bias,
-                       int64_t N, int64_t G, T* out) {
+template <int BITS, typename T>
+void panel_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const GroupValues& scale,
+                       const GroupValues& bias, int64_t N, int64_t G, T* out) {
   const Int8Blocks xq = quantize_blocks(x, M, K, G);
   at::parallel_for(0, N / PANEL, 1, [&](int64_t p0, int64_t p1) {
     float y[MR_MAX][PANEL];
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* c = codes + p * PANEL * K * BITS / 8;
-      const S* sc = scale + p * G * PANEL;
-      const S* bi = bias ? bias + p * G * PANEL : nullptr;
       for (int64_t m = 0, mr; m < M; m += mr) {  // the panel's codes reused from L1 by up to MR_MAX activation rows
         mr = std::min<int64_t>(M - m, M - m >= MR_MAX ? MR_MAX : 4);
         switch (mr) {
-          case 8: panel_dot<BITS, 8>(c, sc, bi, xq, m, K, G, y); break;
-          case 4: panel_dot<BITS, 4>(c, sc, bi, xq, m, K, G, y); break;
-          case 3: panel_dot<BITS, 3>(c, sc, bi, xq, m, K, G, y); break;
-          case 2: panel_dot<BITS, 2>(c, sc, bi, xq, m, K, G, y); break;
-          default: panel_dot<BITS, 1>(c, sc, bi, xq, m, K, G, y); break;
+          case 8: panel_dot<BITS, 8>(c, scale, bias, p, xq, m, K, G, y); break;
+          case 4: panel_dot<BITS, 4>(c, scale, bias, p, xq, m, K, G, y); break;
+          case 3: panel_dot<BITS, 3>(c, scale, bias, p, xq, m, K, G, y); break;
+          case 2: panel_dot<BITS, 2>(c, scale, bias, p, xq, m, K, G, y); break;
+          default: panel_dot<BITS, 1>(c, scale, bias, p, xq, m, K, G, y); break;
         }
         for (int64_t i = 0; i < mr; ++i)
           for (int64_t r = 0; r < PANEL; ++r) out[(m + i) * N + p * PANEL + r] = narrow<T>(y[i][r]);
@@ -307,58 +388,74 @@ void panel_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, c
   });
 }
 
-// A panel op's operands, checked and contiguous. int4: codes uint8 [N / 16, 8 K], scale and bias [N / 16, G, 16];
-// int8: codes int8 [N / 16, 16 K], scale [N / 16, G, 16], no bias. fp16 or fp32 scales, groups a multiple of 32.
+// A panel op's operands, checked and contiguous: codes (int4: uint8 [N / 16, 8 K]; int8: int8 [N / 16, 16 K]),
+// scale [N / 16, G, 16] and bias (int4 always; int8 optional) shaped as the scale, each fp16/fp32 or 8-bit codes
+// with an fp16 factor [N / 16, G / per_d, 16] (scale_d, bias_d). Groups: 16 or a multiple of 32.
 struct Panels {
-  at::Tensor x, codes, scale, bias;  // bias undefined for int8
+  at::Tensor x, codes, scale, bias, scale_d, bias_d;  // undefined where absent
   int64_t K, N, G;
 
+  static bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined() && t->numel() > 0; }
+
+  void check_values(const at::Tensor& v, const std::optional<at::Tensor>& d, const char* what, const char* op) const {
+    const auto t = v.scalar_type();
+    TORCH_CHECK((t == at::kHalf || t == at::kFloat || t == at::kByte || t == at::kChar) && v.dim() == 3 &&
+                    v.size(0) == codes.size(0) && v.size(1) == G && v.size(2) == PANEL,
+                op, ": ", what, " [N / 16, G, 16] fp16, fp32, uint8 or int8");
+    const bool coded = t == at::kByte || t == at::kChar;
+    TORCH_CHECK(coded == given(d), op, ": 8-bit ", what, " codes need their fp16 factor, and only they take one");
+    if (coded)
+      TORCH_CHECK(d->scalar_type() == at::kHalf && d->dim() == 3 && d->size(0) == v.size(0) && d->size(1) > 0 &&
+                      G % d->size(1) == 0 && d->size(2) == PANEL,
+                  op, ": ", what, " factor fp16 [N / 16, G / per, 16]");
+  }
+
   Panels(const at::Tensor& x_, const at::Tensor& codes_, const at::Tensor& scale_,
-         const std::optional<at::Tensor>& bias_, int bits, const char* op) {
-    const auto code_type = bits == 4 ? at::kByte : at::kChar;
+         const std::optional<at::Tensor>& bias_, const std::optional<at::Tensor>& scale_d_,
+         const std::optional<at::Tensor>& bias_d_, int bits, const char* op) {
+    const auto code_type = bits == 8 ? at::kChar : at::kByte;
     TORCH_CHECK(x_.dim() == 2 && codes_.dim() == 2 && codes_.scalar_type() == code_type &&
-                    codes_.size(1) == PANEL * bits / 8 * x_.size(1),
-                op, ": x [M, K], codes ", bits == 4 ? "uint8 [N / 16, 8 K]" : "int8 [N / 16, 16 K]",
-                " (16-row panels)");
-    K = x_.size(1);
-    TORCH_CHECK((scale_.scalar_type() == at::kHalf || scale_.scalar_type() == at::kFloat) && scale_.dim() == 3 &&
-                    scale_.size(0) == codes_.size(0) && scale_.size(2) == PANEL && K % scale_.size(1) == 0 &&
-                    (K / scale_.size(1)) % XB == 0,
-                op, ": fp16 or fp32 scale [N / 16, G, 16] with groups a multiple of 32");
-    TORCH_CHECK(bias_.has_value() == (bits == 4) &&
-                    (!bias_ || (bias_->scalar_type() == scale_.scalar_type() && bias_->sizes() == scale_.sizes())),
-                op, ": int4 takes a bias shaped and typed as its scale, int8 none");
-    x = x_.contiguous(), codes = codes_.contiguous(), scale = scale_.contiguous();
-    bias = bias_ ? bias_->contiguous() : at::Tensor();
-    N = codes.size(0) * PANEL, G = scale.size(1);
+                    codes_.size(1) == PANEL * bits / 8 * x_.size(1) && (bits != 6 || x_.size(1) % XB == 0),
+                op, ": x [M, K], codes ", bits == 4 ? "uint8 [N / 16, 8 K]" : bits == 6 ? "uint8 [N / 16, 12 K]" :
+                "int8 [N / 16, 16 K]", " (16-row panels)");
+    x = x_.contiguous(), codes = codes_.contiguous();
+    K = x.size(1), N = codes.size(0) * PANEL;
+    TORCH_CHECK(scale_.dim() == 3 && scale_.size(1) > 0 && K % scale_.size(1) == 0, op, ": scale [N / 16, G, 16]");
+    G = scale_.size(1);
+    const int64_t group = K / G;
+    TORCH_CHECK(group == 16 || group % XB == 0, op, ": groups of 16 or a multiple of 32, got ", group);
+    check_values(scale_, scale_d_, "scale", op);
+    scale = scale_.contiguous();
+    if (given(scale_d_)) scale_d = scale_d_->contiguous();
+    TORCH_CHECK(given(bias_) || bits != 4, op, ": int4 takes a bias");
+    if (given(bias_)) {
+      check_values(*bias_, bias_d_, "bias", op);
+      bias = bias_->contiguous();
+      if (given(bias_d_)) bias_d = bias_d_->contiguous();
+    }
   }
   const uint8_t* c() const { return static_cast<const uint8_t*>(codes.data_ptr()); }
-  template <typename S>
-  const S* bias_or_null() const {
-    return bias.defined() ? bias.data_ptr<S>() : nullptr;
+  GroupValues values(const at::Tensor& v, const at::Tensor& d) const {
+    GroupValues r;
+    if (!v.defined()) return r;
+    r.v = v.data_ptr(), r.type = v.scalar_type(), r.G = G;
+    if (d.defined()) r.d = d.data_ptr<at::Half>(), r.per_d = G / d.size(1);
+    return r;
   }
-  // fn(T{}, S{}) for x's dtype T and the scales' dtype S
-  template <typename Fn>
-  void dispatch(Fn&& fn) const {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "panels", [&] {
-      if (scale.scalar_type() == at::kHalf)
-        fn(scalar_t{}, at::Half{});
-      else
-        fn(scalar_t{}, float{});
-    });
-  }
+  GroupValues scales() const { return values(scale, scale_d); }
+  GroupValues biases() const { return values(bias, bias_d); }
 };
 
 template <int BITS>
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                        const std::optional<at::Tensor>& bias) {
-  const Panels a(x, codes, scale, bias, BITS, BITS == 4 ? "int4_linear" : "int8_linear");
+                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
+                        const std::optional<at::Tensor>& bias_d) {
+  const Panels a(x, codes, scale, bias, scale_d, bias_d, BITS,
+                 BITS == 4 ? "int4_linear" : BITS == 6 ? "int6_linear" : "int8_linear");
   auto out = at::empty({x.size(0), a.N}, x.options());
-  a.dispatch([&](auto t, auto s) {
-    using T = decltype(t);
-    using S = decltype(s);
-    panel_linear_impl<BITS, T, S>(a.x.data_ptr<T>(), x.size(0), a.K, a.c(), a.scale.data_ptr<S>(),
-                                  a.bias_or_null<S>(), a.N, a.G, out.data_ptr<T>());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "panel_linear", [&] {
+    panel_linear_impl<BITS, scalar_t>(a.x.data_ptr<scalar_t>(), x.size(0), a.K, a.c(), a.scales(), a.biases(), a.N,
+                                      a.G, out.data_ptr<scalar_t>());
   });
   return out;
 }
@@ -409,7 +506,6 @@ inline void dequant_panel_row(const uint8_t* c, int64_t r, const float* sc, cons
   // unpacklo/hi_epi32(lo, hi) leave q-steps (0 1 4 5 8 9 12 13) and (2 3 6 7 10 11 14 15) in their 64-bit lanes
   const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
   const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
-  int64_t g = 0, left = group;  // the current group and the codes left in it
   for (int64_t q0 = 0; q0 < steps; q0 += 16) {
     const __mmask16 mask = q0 + 16 <= steps ? 0xFFFF : static_cast<__mmask16>((1u << (steps - q0)) - 1);
     const __m512i d = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offs, c + q0 * 64 + 4 * r, 1);
@@ -422,25 +518,25 @@ inline void dequant_panel_row(const uint8_t* c, int64_t r, const float* sc, cons
     } else {
       _mm512_store_si512(bytes, d);
     }
-    for (int64_t j = 0; j < PER && PER * q0 + 16 * j < K; j += 2) {  // 32 codes: within one group
-      const __m512 s = _mm512_set1_ps(sc[g]), b = _mm512_set1_ps(bi[g]);
+    for (int64_t j = 0; j < PER && PER * q0 + 16 * j < K; j += 2) {  // 32 codes, each 16 within one group
       __m512 f[2];
       for (int h = 0; h < 2; ++h) {
+        const int64_t g = (PER * q0 + 16 * (j + h)) / group;
         const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(bytes + 16 * (j + h)));
-        f[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(BITS == 4 ? _mm512_cvtepu8_epi32(v) : _mm512_cvtepi8_epi32(v)), s, b);
+        f[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(BITS == 4 ? _mm512_cvtepu8_epi32(v) : _mm512_cvtepi8_epi32(v)),
+                               _mm512_set1_ps(sc[g]), _mm512_set1_ps(bi[g]));
       }
       store32(o + PER * q0 + 16 * j, f[0], f[1]);
-      if ((left -= 32) == 0) ++g, left = group;
     }
   }
 }
 #endif
 
 // rows n0..n1 (multiples of 16) of the panels, dequantized into buf [n1 - n0, K]
-template <int BITS, typename T, typename S>
-void dequant_rows(const uint8_t* codes, const S* scale, const S* bias, int64_t K, int64_t G, int64_t n0, int64_t n1,
-                  T* buf) {
-  constexpr int PER = BITS == 4 ? 8 : 4;
+template <int BITS, typename T>
+void dequant_rows(const uint8_t* codes, const GroupValues& scale, const GroupValues& bias, int64_t K, int64_t G,
+                  int64_t n0, int64_t n1, T* buf) {
+  constexpr int PER = BITS == 8 ? 4 : 8;
   const int64_t group = K / G;
   at::parallel_for(n0 / PANEL, n1 / PANEL, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> sc(G), bi(G, 0.f);
@@ -449,8 +545,25 @@ void dequant_rows(const uint8_t* codes, const S* scale, const S* bias, int64_t K
       for (int64_t r = 0; r < PANEL; ++r) {
         T* o = buf + (p * PANEL + r - n0) * K;
         for (int64_t g = 0; g < G; ++g) {
-          sc[g] = widen(scale[(p * G + g) * PANEL + r]);
-          if (bias) bi[g] = widen(bias[(p * G + g) * PANEL + r]);
+          sc[g] = scale.value(p, g, r);
+          if (bias.v) bi[g] = bias.value(p, g, r);
+        }
+        if constexpr (BITS == 6) {  // per 32 codes: the 4 nibble steps and their 2 pieces, then scale and bias
+          uint8_t code[XB];
+          for (int64_t b = 0; b < K / XB; ++b) {
+            const uint8_t* blk = c + b * BLOCK6 + 4 * r;
+            for (int s = 0; s < 4; ++s)
+              for (int i = 0; i < 4; ++i) {
+                const uint8_t byte = blk[64 * s + i], piece = blk[256 + 64 * (s / 2) + i] >> (4 * (s % 2));
+                code[8 * s + i] = (byte & 15) | ((piece & 3) << 4);
+                code[8 * s + 4 + i] = (byte >> 4) | (((piece >> 2) & 3) << 4);
+              }
+            for (int64_t i = 0; i < XB; ++i) {
+              const int64_t g = (b * XB + i) / group;
+              o[b * XB + i] = narrow<T>(static_cast<float>(code[i] - 32) * sc[g] + bi[g]);
+            }
+          }
+          continue;
         }
 #ifdef PAGEDSERVE_AVX512
         if constexpr (!std::is_same_v<T, double>) {
@@ -466,7 +579,7 @@ void dequant_rows(const uint8_t* codes, const S* scale, const S* bias, int64_t K
               o[8 * q + i] = narrow<T>(static_cast<float>(byte & 15) * sc[g] + bi[g]);
               o[8 * q + 4 + i] = narrow<T>(static_cast<float>(byte >> 4) * sc[g] + bi[g]);
             } else {
-              o[4 * q + i] = narrow<T>(static_cast<float>(static_cast<int8_t>(byte)) * sc[g]);
+              o[4 * q + i] = narrow<T>(static_cast<float>(static_cast<int8_t>(byte)) * sc[g] + bi[g]);
             }
           }
       }
@@ -480,8 +593,10 @@ void dequant_rows(const uint8_t* codes, const S* scale, const S* bias, int64_t K
 // (figures: docs/performance.md).
 template <int BITS>
 at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                      const std::optional<at::Tensor>& bias) {
-  const Panels a(x, codes, scale, bias, BITS, BITS == 4 ? "int4_gemm" : "int8_gemm");
+                      const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
+                      const std::optional<at::Tensor>& bias_d) {
+  const Panels a(x, codes, scale, bias, scale_d, bias_d, BITS,
+                 BITS == 4 ? "int4_gemm" : BITS == 6 ? "int6_gemm" : "int8_gemm");
   const int64_t K = a.K, N = a.N;
   const int64_t TN = std::max<int64_t>(64, ((TILE_KIB << 10) / (K * x.element_size())) / PANEL * PANEL);
   auto out = at::empty({x.size(0), N}, x.options());
@@ -489,10 +604,8 @@ at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
   for (int64_t n0 = 0; n0 < N; n0 += TN) {
     const int64_t n1 = std::min(N, n0 + TN);
     auto t = tile.narrow(0, 0, n1 - n0);
-    a.dispatch([&](auto tt, auto s) {
-      using T = decltype(tt);
-      using S = decltype(s);
-      dequant_rows<BITS, T, S>(a.c(), a.scale.data_ptr<S>(), a.bias_or_null<S>(), K, a.G, n0, n1, t.data_ptr<T>());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "panel_gemm", [&] {
+      dequant_rows<BITS, scalar_t>(a.c(), a.scales(), a.biases(), K, a.G, n0, n1, t.data_ptr<scalar_t>());
     });
     auto dst = out.narrow(1, n0, n1 - n0);
     at::mm_out(dst, a.x, t.t());
@@ -503,28 +616,51 @@ at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
 }  // namespace
 
 namespace pagedserve {
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
-  return panel_linear<8>(x, codes, scale, std::nullopt);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
+                       const std::optional<at::Tensor>& bias_d) {
+  return panel_linear<8>(x, codes, scale, bias, scale_d, bias_d);
 }
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias) {
-  return panel_linear<4>(x, codes, scale, bias);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
+                       const std::optional<at::Tensor>& bias_d) {
+  return panel_linear<4>(x, codes, scale, bias, scale_d, bias_d);
+}
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
+                       const std::optional<at::Tensor>& bias_d) {
+  return panel_linear<6>(x, codes, scale, bias, scale_d, bias_d);
 }
 }  // namespace pagedserve
 
 namespace {
-at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
-  return panel_gemm<8>(x, codes, scale, std::nullopt);
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
+                     const std::optional<at::Tensor>& bias_d) {
+  return panel_gemm<8>(x, codes, scale, bias, scale_d, bias_d);
 }
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias) {
-  return panel_gemm<4>(x, codes, scale, bias);
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
+                     const std::optional<at::Tensor>& bias_d) {
+  return panel_gemm<4>(x, codes, scale, bias, scale_d, bias_d);
+}
+at::Tensor int6_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
+                     const std::optional<at::Tensor>& bias_d) {
+  return panel_gemm<6>(x, codes, scale, bias, scale_d, bias_d);
 }
 }  // namespace
 
+// Absent optional operands may also be empty tensors (the fused decode layer's operand lists hold no None).
+#define PAGEDSERVE_PANEL_SCHEMA \
+  "(Tensor x, Tensor codes, Tensor scale, Tensor? bias=None, Tensor? scale_d=None, Tensor? bias_d=None) -> Tensor"
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("int8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor codes, Tensor scale, Tensor bias) -> Tensor");
-  m.def("int8_gemm(Tensor x, Tensor codes, Tensor scale) -> Tensor");
-  m.def("int4_gemm(Tensor x, Tensor codes, Tensor scale, Tensor bias) -> Tensor");
+  m.def("int8_linear" PAGEDSERVE_PANEL_SCHEMA);
+  m.def("int4_linear" PAGEDSERVE_PANEL_SCHEMA);
+  m.def("int8_gemm" PAGEDSERVE_PANEL_SCHEMA);
+  m.def("int4_gemm" PAGEDSERVE_PANEL_SCHEMA);
+  m.def("int6_linear" PAGEDSERVE_PANEL_SCHEMA);
+  m.def("int6_gemm" PAGEDSERVE_PANEL_SCHEMA);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
@@ -532,4 +668,6 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("int4_linear", &pagedserve::int4_linear);
   m.impl("int8_gemm", &int8_gemm);
   m.impl("int4_gemm", &int4_gemm);
+  m.impl("int6_linear", &pagedserve::int6_linear);
+  m.impl("int6_gemm", &int6_gemm);
 }

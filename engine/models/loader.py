@@ -10,21 +10,26 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
+from pagedserve.engine import allocator
 from pagedserve.engine.config import ARCHITECTURES, ModelConfig
 from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.layers.dispatch import KernelTable, kernel_table
 from pagedserve.engine.layers.linear import Linear, select_kernels
 from pagedserve.engine.models.llama import LlamaModel
 from pagedserve.engine.quant import loading as quant_loading
+from pagedserve.engine.quant.gguf_blocks import GGUFBlocks
 from pagedserve.engine.quant.loading import QuantSpec
 from pagedserve.engine.quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
+
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # GGUF tensor types that are not blocks
 
 # Published shapes, for speed tests with random weights ("random:<name>").
 RANDOM_SHAPES: dict[str, dict] = {
@@ -107,10 +112,14 @@ def build_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     `quant`: quantize projections (and LM head/embeddings) on load; see engine/quant/loading.py."""
     table = table or kernel_table(device, dtype)
     kind = model_source(path)
+    start, resident = time.perf_counter(), resident_bytes()
+    quantized = gguf_quantized_names(path, cfg) if kind == "gguf" else set()
+    if quant is not None and quant.format == "auto" and not quantized:
+        quant = None  # auto on float weights: dense
     with torch.device("meta"):  # no throw-away default init: every parameter is written below
         model = LlamaModel(cfg, max_positions).to(dtype)
-    if quant is not None and kind != "random":
-        quant_loading.prepare_modules(model, quant)  # before allocation: no dense copy of those weights
+    if quant is not None and kind != "random":  # before allocation: no dense copy of those weights
+        quant_loading.prepare_modules(model, quant, quantized if quant.format == "auto" else None)
     model.to_empty(device=device)
     model.tie_weights()
     model.rope.build()  # the cos/sin table stays fp32
@@ -125,16 +134,29 @@ def build_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
             weights = quant_loading.quantized_stream(model, weights, quant, group, dtype, device, table)
         model.load_weights(weights)
     model.eval().requires_grad_(False)
+    _gguf_reader.cache_clear()  # its memory map: every tensor has been copied out, so its pages need not stay resident
     select_kernels(model, table, device, dtype)
     sizes = weight_bytes(model)
     logger.info("weights: %s (%.1f MiB in all); projections: %s", ", ".join(
         f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items()), sum(sizes.values()) / 2**20,
         model.layers[0].self_attn.qkv_proj.describe_routes())
+    allocator.release_freed()
+    logger.info("model loaded in %.1f s, resident memory +%.0f MiB", time.perf_counter() - start,
+                (resident_bytes() - resident) / 2**20)
     return model
 
 
+def resident_bytes() -> int:
+    """This process's resident memory (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def checkpoint_tensors(path: str, cfg: ModelConfig, raw: bool = False) -> Iterator[tuple[str, object]]:
-    """A GGUF file's or HF directory's tensors under Hugging Face names; with `raw`, a GGUF's Q8_0/Q4_0/Q4_1
+    """A GGUF file's or HF directory's tensors under Hugging Face names; with `raw`, a GGUF's block-quantized
     matrices come as their blocks (GGUFBlocks), for quantized storage without a dense round trip."""
     if model_source(path) == "gguf":
         return _gguf_weights(path, cfg, raw)
@@ -225,26 +247,38 @@ def gguf_has_q4(path: str) -> bool:
     return any(t.tensor_type.name in ("Q4_0", "Q4_1") for t in _gguf_reader(path).tensors)
 
 
+def _block_quantized(t) -> bool:
+    return t.tensor_type.name not in FLOAT_TYPES and len(t.shape) == 2
+
+
+def _hf_name(gguf_name: str) -> str:
+    for pattern, repl in _GGUF_NAMES:
+        if re.fullmatch(pattern, gguf_name):
+            return re.sub(pattern, repl, gguf_name)
+    raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def gguf_quantized_names(path: str, cfg: ModelConfig) -> set[str]:
+    """HF names (without "model.") of the GGUF's block-quantized matrices."""
+    return {_hf_name(t.name).removeprefix("model.") for t in _gguf_reader(path).tensors
+            if t.name != "rope_freqs.weight" and _block_quantized(t)}
+
+
 def _gguf_weights(path: str, cfg: ModelConfig, raw: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named tensors; with `raw`, Q8_0/Q4_0/Q4_1 matrices come as their blocks (GGUFBlocks)."""
+    """HF-named tensors; with `raw`, block-quantized matrices come as their blocks (GGUFBlocks)."""
     import gguf
 
     reader = _gguf_reader(path)
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # read into the config's RoPE scaling, not a parameter
             continue
-        for pattern, repl in _GGUF_NAMES:
-            if re.fullmatch(pattern, t.name):
-                name = re.sub(pattern, repl, t.name)
-                break
-        else:
-            raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}")
-        if raw and t.tensor_type.name in quant_loading.GGUF_DIRECT and len(t.shape) == 2:
+        name = _hf_name(t.name)
+        if raw and _block_quantized(t):
             rows = np.arange(int(t.shape[1]))
             if cfg.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
                 rows = _unpermute_llama(rows, cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
             shape = (int(t.shape[1]), int(t.shape[0]))
-            yield name, quant_loading.GGUFBlocks(t.tensor_type.name, np.asarray(t.data)[rows], shape)
+            yield name, GGUFBlocks(t.tensor_type.name, np.asarray(t.data)[rows], shape)
             continue
         data = gguf.quants.dequantize(t.data, t.tensor_type)
         data = np.array(data, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))

@@ -8,7 +8,8 @@ relative weight error ‖W − Ŵ‖/‖W‖ over the projection matrices (mean 
 
 Every format is loaded from the same file the way a user would load it (`quantization=...`). On a GGUF whose
 tensors are already quantized (the bundled SmolLM2 is Q4_1 + Q8_0), the "reference" is that GGUF dequantized:
-it carries the file's own rounding, and int4 with group 32 reproduces it exactly.
+it carries the file's own rounding, and `auto` (the default: the file's blocks as they are) reproduces it
+exactly, as int4 with group 32 does for Q4 blocks.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import torch
 
 from pagedserve.engine.config import bundled_text_path
 from pagedserve.engine.quant.formats import FORMATS
+
+CHOICES = ("auto",) + FORMATS
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AGREEMENT_TOKENS = 9  # per battery prompt: 16 x 9 = 144 positions
@@ -68,7 +71,8 @@ def weight_errors(model_path: str, fmt: str, group: int) -> tuple[float, float, 
     """(mean, worst) relative error and mean storage bits over the checkpoint's projection matrices,
     quantized exactly as loading does (GGUF Q4 blocks map directly where the format allows)."""
     from pagedserve.engine.models import loader
-    from pagedserve.engine.quant.loading import GGUFBlocks, QuantSpec, quantize_tensor
+    from pagedserve.engine.quant.gguf_blocks import GGUFBlocks
+    from pagedserve.engine.quant.loading import QuantSpec, quantize_tensor
 
     cfg = loader.load_config(model_path)
     stream = loader.checkpoint_tensors(model_path, cfg, raw=True)
@@ -78,6 +82,11 @@ def weight_errors(model_path: str, fmt: str, group: int) -> tuple[float, float, 
         if name.split(".")[-2] not in PROJECTIONS or not name.endswith("weight"):
             continue
         dense = t.dequantize() if isinstance(t, GGUFBlocks) else t.float()
+        if fmt == "auto" and not isinstance(t, GGUFBlocks):  # a float tensor stays as it is
+            errs.append(0.0)
+            bits += 8 * t.element_size() * t.numel()
+            count += t.numel()
+            continue
         qw = quantize_tensor(t, spec, group)
         diff = (dense - qw.dequantize()).norm().item()
         errs.append(diff / max(dense.norm().item(), 1e-30))
@@ -212,8 +221,8 @@ def format_table(rows: list[Row], tokens: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="pagedserve eval", description=__doc__.split("\n")[0])
-    ap.add_argument("--quantization", default=",".join(FORMATS),
-                    help=f"comma-separated formats to compare with the unquantized reference ({', '.join(FORMATS)})")
+    ap.add_argument("--quantization", default=",".join(CHOICES),
+                    help=f"comma-separated formats to compare with the unquantized reference ({', '.join(CHOICES)})")
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
     ap.add_argument("--text", default=bundled_text_path(), help="text for perplexity (default: the shipped book)")
     ap.add_argument("--tokens", type=int, default=2048, help="perplexity tokens (256 runs a format in well under a "
@@ -223,9 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None, help="write {'rows': [...]} here")
     args = ap.parse_args(argv)
     formats = [f.strip() for f in args.quantization.split(",") if f.strip()]
-    bad = [f for f in formats if f not in FORMATS + ("none",)]
+    bad = [f for f in formats if f not in CHOICES + ("none",)]
     if bad:
-        ap.error(f"unknown format(s) {bad}; choose from {', '.join(FORMATS)}")
+        ap.error(f"unknown format(s) {bad}; choose from {', '.join(CHOICES)}")
     print(f"pagedserve eval: model {args.model or 'bundled SmolLM2-135M-Instruct'}, text {args.text}, "
           f"{args.tokens} tokens, dtype {args.dtype}", file=sys.stderr)
     rows = run(args.model, formats, args.text, args.tokens, args.dtype, args.quant_group_size)

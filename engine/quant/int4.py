@@ -1,10 +1,11 @@
-"""int4 weights: 4-bit codes c in 0..15 with w = (c - 8) * scale + zero per group of `group` along K.
+"""int4 weights: 4-bit codes c in 0..15 with w = c * scale + bias per group of `group` along K.
 
-`quantize` is symmetric (zero = 0, the chapter's absmax with qmax 7); llama.cpp's Q4_0 maps exactly (zero = 0)
-and Q4_1's `d * c + m` maps as zero = m + 8d. Layouts (`lay_out`): "panels" for our C++ kernels (16-row panels;
-scale and bias = zero - 8 * scale as [N/16, G, 16] in the scale's dtype: fp16 per group, exact for our scales and
-for GGUF's d and m); "torch" for `_weight_int4pack_mm_for_cpu` (its own layout, which depends on the CPU's
-vector width; the row-major codes are dropped); "codes" (row-major, dequantized for a GEMM).
+`quantize` is symmetric (bias None: -8 * scale, the chapter's absmax with qmax 7). GGUF blocks map exactly
+(engine/quant/gguf_blocks.py): Q4_0 (bias None), Q4_1 (`d * c + m`: fp16 scale and bias), Q4_K (6-bit scale and
+min codes per 32 times the super-block's fp16 d and -dmin: `scale_d`, `bias_d` [N, G / 8]). Layouts (`lay_out`):
+"panels" for our C++ kernels (16-row panels; the per-group values as [N/16, G, 16], a symmetric bias spelled out
+in the scale's dtype, exact); "torch" for `_weight_int4pack_mm_for_cpu` (its own layout, which depends on the
+CPU's vector width; the row-major codes are dropped); "codes" (row-major, dequantized for a GEMM).
 """
 
 from __future__ import annotations
@@ -20,25 +21,29 @@ from pagedserve.engine.quant.layouts import (
     to_panels,
     unpack_nibbles,
 )
-from pagedserve.engine.quant.weight import QuantWeight, grouped
+from pagedserve.engine.quant.weight import QuantWeight, group_values, grouped
 
 TORCH_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes `_weight_int4pack_mm_for_cpu` takes
+VALUES = ("scale", "bias", "scale_d", "bias_d")  # the per-group tensors, laid out beside the codes
 
 
 class Int4Weight(QuantWeight):
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, fmt: str = "int4",
-                 group: int | None = None) -> None:
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, fmt: str = "int4",
+                 group: int | None = None, scale_d: torch.Tensor | None = None,
+                 bias_d: torch.Tensor | None = None) -> None:
         self.codes = codes  # uint8 [N, K/2] (pack_nibbles); [N/16, 8K] as panels
-        self.scale = scale  # [N, G] fp16 (or fp32), or [1, 1] per tensor; [N/16, G, 16] as panels
-        self.zero = zero  # [N, G] fp32 or None
+        self.scale = scale  # [N, G] fp16/fp32 (or 8-bit codes with scale_d), or [1, 1] per tensor; panels [N/16, G, 16]
+        self.bias = bias  # as scale (codes with bias_d), or None: symmetric, -8 * scale
+        self.scale_d, self.bias_d = scale_d, bias_d
+        self.symmetric = bias is None
         self.format = fmt
         self.shape = (codes.shape[0], codes.shape[1] * 2)
         self.group = group or self.shape[1] // scale.shape[1]
         self.layout = None
-        self.bias: torch.Tensor | None = None  # zero - 8 * scale [N/16, G, 16], as panels
         self._packed: torch.Tensor | None = None  # torch's CPU kernel layout
         self._sz: torch.Tensor | None = None  # [K / kernel group, N, 2] scale and zero, in the kernel's dtype
         self._kgroup = 0
+        self._bits = 0
 
     @classmethod
     def quantize(cls, w: torch.Tensor, group: int, per_tensor: bool = False) -> Int4Weight:
@@ -52,26 +57,42 @@ class Int4Weight(QuantWeight):
         q = torch.round(wg / scale.float()[:, :, None]).clamp(-8, 7) + 8
         return cls(pack_nibbles(q.view(n, k)), scale, None, "int4", group=group)
 
-    def _scale_zero_full(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 [N, G] scale and zero (per-tensor expanded to one group per row)."""
-        if self.layout == "panels":
-            scale, bias = (rows_from_panels(t.float(), self.shape[0]) for t in (self.scale, self.bias))
-            return scale, bias + 8 * scale
-        scale = self.scale.float()
+    def _values(self, name: str) -> torch.Tensor | None:
+        v = getattr(self, name)
+        return rows_from_panels(v, self.shape[0]) if v is not None and self.layout == "panels" else v
+
+    def _scale_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 [N, G] scale and bias (per-tensor expanded to one group per row)."""
+        scale = group_values(self._values("scale"), self._values("scale_d"))
         if scale.shape[0] == 1:
             scale = scale.expand(self.shape[0], self.shape[1] // self.group)
-        zero = self.zero.float() if self.zero is not None else torch.zeros_like(scale)
-        return scale, zero
+        bias = self._values("bias")
+        return scale, (-8 * scale if bias is None else group_values(bias, self._values("bias_d")))
+
+    def _dense(self, codes: torch.Tensor, rows: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized row-major packed codes [R, K/2] of rows `rows`."""
+        scale, bias = (t[rows] for t in self._scale_bias())
+        n, k = codes.shape[0], codes.shape[1] * 2
+        c = unpack_nibbles(codes).float().view(n, -1, k // scale.shape[1])
+        return (c * scale[:, :, None] + bias[:, :, None]).view(n, k).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
         if self.layout == "torch":  # the kernel on the identity matrix reads the codes back
             eye = torch.eye(k, dtype=torch.float32, device=self._packed.device)
             return self._torch_kernel(eye, self._sz.float()).t().contiguous().to(dtype)
-        scale, zero = self._scale_zero_full()
         codes = from_panels(self.codes) if self.layout == "panels" else self.codes
-        c = unpack_nibbles(codes).float().view(n, -1, self.group)
-        return ((c - 8) * scale[:, :, None] + zero[:, :, None]).view(n, k).to(dtype)
+        return self._dense(codes, slice(None), dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows (an embedding lookup), from panels or row-major codes."""
+        if self.layout == "panels":  # row n's 4-byte pieces sit at 4 (n % 16) of every 64-byte step of panel n // 16
+            p, r = ids // PANEL, ids % PANEL
+            b = self.codes.view(-1, self.shape[1] // 8, PANEL, 4)[p, :, r]  # [R, K/8, 4]
+            codes = pack_nibbles(torch.stack((b & 15, b >> 4), dim=2).reshape(len(ids), -1))
+        else:
+            codes = self.codes[ids]
+        return self._dense(codes, ids, dtype)
 
     def panels_fit(self) -> bool:
         return self.group % 32 == 0 and self.shape[0] % PANEL == 0
@@ -86,27 +107,30 @@ class Int4Weight(QuantWeight):
         """"panels" (ours), "torch" (its kernel, running in `kernel_dtype`) or "codes"; on `device`."""
         if self.layout is not None:
             return
-        n = self.shape[0]
         if layout == "panels":
-            scale, zero = self._scale_zero_full()
-            sdtype = torch.float32 if self.scale.dtype == torch.float32 else torch.float16
-            self.scale, self.bias = (rows_to_panels(t.to(sdtype)) for t in (scale, zero - 8 * scale))
-            self.codes = to_panels(self.codes)
-            self.zero = None  # folded into the bias
+            if self.bias is None:  # spelled out for the kernel: -8 * scale, exact in the scale's fp16/fp32
+                self.bias = -8 * self.scale.expand(self.shape[0], -1)
+            self.scale = self.scale.expand(self.shape[0], -1)
+            for name in VALUES:
+                if getattr(self, name) is not None:
+                    setattr(self, name, rows_to_panels(getattr(self, name).to(device)))
+            self.codes = to_panels(self.codes.to(device))
         elif layout == "torch":
             kgroup = self.torch_kernel_group()
-            scale, zero = self._scale_zero_full()
+            scale, bias = self._scale_bias()
             rep = self.group // kgroup  # a format group spans rep kernel groups
-            sz = torch.stack((scale, zero), dim=-1).repeat_interleave(rep, dim=1)  # [N, K/kgroup, 2]
+            sz = torch.stack((scale, bias + 8 * scale), dim=-1).repeat_interleave(rep, dim=1)  # [N, K/kgroup, 2]
             self._sz = sz.transpose(0, 1).contiguous().to(kernel_dtype)
+            self._bits = self.storage_bits()
             self._kgroup = kgroup
             self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 unpack_nibbles(self.codes).to(torch.int32), 1)
             self.codes = self.codes.new_empty(0)  # the kernel layout is the only copy kept
+            self.scale = self.bias = self.scale_d = self.bias_d = None
         else:
-            self.codes, self.scale = self.codes.to(device), self.scale.to(device)
-            self.zero = None if self.zero is None else self.zero.to(device)
-        assert n == self.shape[0]
+            for name in ("codes",) + VALUES:
+                if getattr(self, name) is not None:
+                    setattr(self, name, getattr(self, name).to(device))
         self.layout = layout
 
     @property
@@ -117,11 +141,11 @@ class Int4Weight(QuantWeight):
     # ---- kernels (engine/layers/linear.py picks) ------------------------------------------------------------
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         """Ours, panels: int8 codes of the activations (a scale per 32) times the nibbles (VNNI)."""
-        return torch.ops.pagedserve.int4_linear(x, self.codes, self.scale, self.bias)
+        return torch.ops.pagedserve.int4_linear(x, self.codes, self.scale, self.bias, self.scale_d, self.bias_d)
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Ours, panels: cache-sized tiles dequantized to x's dtype, each through oneDNN's GEMM."""
-        return torch.ops.pagedserve.int4_gemm(x, self.codes, self.scale, self.bias)
+        return torch.ops.pagedserve.int4_gemm(x, self.codes, self.scale, self.bias, self.scale_d, self.bias_d)
 
     def _torch_kernel(self, x: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, self._kgroup, sz.to(x.dtype))
@@ -131,28 +155,33 @@ class Int4Weight(QuantWeight):
         return self._torch_kernel(x.to(self._sz.dtype), self._sz).to(x.dtype)
 
     def panel_operands(self) -> list[torch.Tensor] | None:
-        return [self.codes, self.scale, self.bias] if self.layout == "panels" else None
+        """Codes and the four group values (an empty tensor for each one absent), in panels only."""
+        if self.layout != "panels":
+            return None
+        empty = self.codes.new_empty(0)
+        return [self.codes] + [empty if getattr(self, n) is None else getattr(self, n) for n in VALUES]
 
     def tensors(self) -> list[torch.Tensor]:
         if self.layout == "torch":
             return [self._packed, self._sz]
-        return [t for t in (self.codes, self.scale, self.zero, self.bias) if t is not None]
+        return [t for t in [self.codes] + [getattr(self, n) for n in VALUES] if t is not None]
 
     def storage_bits(self) -> int:
         n, k = self.shape
         if self.format == "int4-tensor":
             return 4 * n * k + 32 * self.scale.unique().numel()
-        has_zero = self.zero is not None or (self.bias is not None and bool((self.bias != -8 * self.scale).any()))
-        per_group = 32 if has_zero else 16
-        return 4 * n * k + per_group * n * (k // self.group)
+        if self.layout == "torch":
+            return self._bits
+        values = [self.scale, None if self.symmetric else self.bias, self.scale_d, self.bias_d]
+        return 4 * n * k + sum(8 * v.numel() * v.element_size() for v in values if v is not None)
 
     @classmethod
     def cat(cls, parts: list[QuantWeight]) -> Int4Weight:
         if parts[0].format == "int4-tensor":  # one scale per original matrix, spelled out per row
             scale = torch.cat([p.scale.expand(p.shape[0], 1) for p in parts])
             return cls(torch.cat([p.codes for p in parts]), scale, None, "int4-tensor", parts[0].shape[1])
-        if len({p.group for p in parts}) != 1 or len({p.zero is None for p in parts}) != 1:
-            raise ValueError("cannot fuse int4 weights with different groups or zero-point use")
-        zero = None if parts[0].zero is None else torch.cat([p.zero for p in parts])
-        return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zero,
-                   parts[0].format, parts[0].group)
+        if len({(p.group, p.bias is None, p.scale_d is None, p.bias_d is None) for p in parts}) != 1:
+            raise ValueError("cannot fuse int4 weights with different groups or value layouts")
+        cat = lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
+        return cls(torch.cat([p.codes for p in parts]), cat("scale"), cat("bias"), parts[0].format, parts[0].group,
+                   cat("scale_d"), cat("bias_d"))

@@ -1,7 +1,14 @@
-"""int8 weights: symmetric codes with a scale per row, per group of 32 along K (llama.cpp's Q8_0), or per tensor.
+"""int8 weights: codes with a scale (and optionally a bias) per row, per group along K, or per tensor.
 
-Layouts (`lay_out`): "panels" for our C++ kernels (16-row panels, engine/quant/layouts.py; the scales spelled
-out per group as [N/16, G, 16]), or "rows" (row-major, for torch's `_weight_int8pack_mm` and plain GEMMs).
+w = c * scale + bias per group. Our own `quantize` is symmetric with an fp16 scale per row (or one per tensor);
+GGUF blocks map exactly (engine/quant/gguf_blocks.py): Q8_0 and Q5_0 (fp16 scale per 32), Q5_1 (plus an fp16
+bias), Q5_K (codes 0..31, 6-bit scale and min codes times the super-block's fp16 d and -dmin) and Q6_K (codes
+-32..31, groups of 16, int8 scale codes times d). A scale or bias held as 8-bit codes comes with its fp16 factor
+per super-block (`scale_d`, `bias_d` [N, G / per]).
+
+Layouts (`lay_out`): "panels" for our C++ kernels (16-row panels, engine/quant/layouts.py; the per-group values
+as [N/16, G, 16]; codes within -32..31, as every 5- and 6-bit GGUF type's are, at 6 bits each), or "rows"
+(row-major, for torch's `_weight_int8pack_mm` and plain GEMMs where a plain row scale is all there is).
 Embeddings use either as a row lookup.
 """
 
@@ -10,19 +17,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.engine.quant.layouts import PANEL, int8_from_panels, int8_to_panels, rows_from_panels, rows_to_panels
-from pagedserve.engine.quant.weight import QuantWeight
+from pagedserve.engine.quant.layouts import (
+    PANEL,
+    int6_from_panels,
+    int6_to_panels,
+    int8_from_panels,
+    int8_to_panels,
+    rows_from_panels,
+    rows_to_panels,
+)
+from pagedserve.engine.quant.weight import QuantWeight, group_values
+
+VALUES = ("scale", "bias", "scale_d", "bias_d")  # the per-group tensors, laid out beside the codes
 
 
 class Int8Weight(QuantWeight):
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, fmt: str = "int8") -> None:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, fmt: str = "int8", bias: torch.Tensor | None = None,
+                 scale_d: torch.Tensor | None = None, bias_d: torch.Tensor | None = None) -> None:
         self.q = q  # int8 [N, K]; [N/16, 16K] as panels
-        self.scale = scale  # fp16 [N, G] (G = 1: per row; K/32 from Q8_0), or fp32 [1, 1]; [N/16, G, 16] as panels
+        self.scale = scale  # [N, G] fp16/fp32 (or 8-bit codes with scale_d); fp32 [1, 1] per tensor
+        self.bias, self.scale_d, self.bias_d = bias, scale_d, bias_d
         self.format = fmt
         self.shape = (q.shape[0], q.shape[1])
         self.group = self.shape[1] // scale.shape[1]
         self.layout = None
         self.row_scale: torch.Tensor | None = None  # fp32 [N] for torch's kernel ("rows", per row or per tensor)
+        self.code_bits = 6 if self.format not in ("int8", "int8-tensor") and _fits_6_bits(q) else 8
 
     @classmethod
     def quantize(cls, w: torch.Tensor, per_tensor: bool = False) -> Int8Weight:
@@ -34,59 +54,84 @@ class Int8Weight(QuantWeight):
         q = torch.round(w / scale.float()).clamp(-128, 127).to(torch.int8)
         return cls(q, scale, "int8-tensor" if per_tensor else "int8")
 
-    def _row_major(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """int8 [N, K] codes and [N, G] (or [1, 1]) scales, whichever layout is held."""
-        if self.layout != "panels":
-            return self.q, self.scale
-        return int8_from_panels(self.q), rows_from_panels(self.scale, self.shape[0])
+    @property
+    def plain(self) -> bool:
+        """A plain scale (fp16/fp32, no bias, no factor): what torch's kernels and `codes_gemm` can apply."""
+        return self.bias is None and self.scale_d is None
 
-    @staticmethod
-    def _dense(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _values(self, name: str) -> torch.Tensor | None:
+        v = getattr(self, name)
+        return rows_from_panels(v, self.shape[0]) if v is not None and self.layout == "panels" else v
+
+    def _dense(self, q: torch.Tensor, rows: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized codes q [R, K] of rows `rows`."""
+        scale, bias, scale_d, bias_d = (self._values(n) for n in VALUES)
+        if scale.shape[0] == 1:
+            scale = scale.expand(self.shape[0], -1)
+        s = group_values(scale, scale_d)[rows]
         n, k = q.shape
-        g = scale.shape[1]
-        return (q.to(dtype).view(n, g, k // g) * scale.to(dtype)[:, :, None]).view(n, k)
+        g = s.shape[1]
+        w = q.float().view(n, g, k // g) * s[:, :, None]
+        if bias is not None:
+            w = w + group_values(bias, bias_d)[rows][:, :, None]
+        return w.view(n, k).to(dtype)
+
+    def _codes(self) -> torch.Tensor:
+        """Row-major int8 codes [N, K], whichever layout is held."""
+        if self.layout != "panels":
+            return self.q
+        return int6_from_panels(self.q) if self.code_bits == 6 else int8_from_panels(self.q)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        q, scale = self._row_major()
-        return self._dense(q, scale.expand(self.shape[0], -1), dtype)
+        return self._dense(self._codes(), slice(None), dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows (an embedding lookup)."""
-        if self.layout == "panels":  # row n's 4-byte pieces sit at 4 (n % 16) of every 64-byte step of panel n // 16
+        if self.layout == "panels" and self.code_bits == 6:  # the rows' panels, decoded
+            p, r = ids // PANEL, ids % PANEL
+            q = int6_from_panels(self.q[p]).view(len(ids), PANEL, -1)[torch.arange(len(ids)), r]
+        elif self.layout == "panels":  # row n's 4-byte pieces sit at 4 (n % 16) of every 64-byte step of panel n // 16
             p, r = ids // PANEL, ids % PANEL
             q = self.q.view(-1, self.shape[1] // 4, PANEL, 4)[p, :, r].reshape(len(ids), -1)
-            return self._dense(q, self.scale[p, :, r], dtype)
-        scale = self.scale[ids] if self.scale.shape[0] > 1 else self.scale.expand(len(ids), -1)
-        return self._dense(self.q[ids], scale, dtype)
+        else:
+            q = self.q[ids]
+        return self._dense(q, ids, dtype)
 
     def panels_fit(self) -> bool:
-        """Whether our kernels' layout can hold it (any scale layout: per row, per 32, per tensor)."""
-        return self.shape[0] % PANEL == 0 and self.group % 32 == 0
+        """Whether our kernels' layout can hold it (any scale layout: per row, per 16 or 32k, per tensor)."""
+        fits = self.shape[0] % PANEL == 0 and (self.group % 32 == 0 or self.group == 16)
+        return fits and (self.code_bits == 8 or self.shape[1] % 32 == 0)
 
     def lay_out(self, device: torch.device, panels: bool) -> None:
         """Move to `device` in our kernels' panels or row-major. Once: a tied embedding and LM head share it."""
         if self.layout is not None:
             return
-        self.q, self.scale = self.q.to(device), self.scale.to(device)
+        for name in ("q",) + VALUES:
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(device))
         n = self.shape[0]
         if panels:
-            scale = self.scale.expand(n, -1)
-            self.scale = rows_to_panels(scale.to(torch.float32 if scale.dtype == torch.float32 else torch.float16))
-            self.q = int8_to_panels(self.q)
+            self.scale = self.scale.expand(n, -1)
+            for name in VALUES:
+                if getattr(self, name) is not None:
+                    setattr(self, name, rows_to_panels(getattr(self, name)))
+            self.q = int6_to_panels(self.q) if self.code_bits == 6 else int8_to_panels(self.q)
             self.layout = "panels"
             return
         self.layout = "rows"
-        if self.scale.shape[1] == 1:  # per row or per tensor: torch's kernel applies
+        if self.plain and self.scale.shape[1] == 1:  # per row or per tensor: torch's kernel applies
             self.row_scale = self.scale.expand(n, 1).reshape(-1).float().contiguous()
 
     # ---- kernels (engine/layers/linear.py picks) ------------------------------------------------------------
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         """Ours, panels: int8 codes of the activations (a scale per 32) times the weight codes (VNNI)."""
-        return torch.ops.pagedserve.int8_linear(x, self.q, self.scale)
+        op = torch.ops.pagedserve.int6_linear if self.code_bits == 6 else torch.ops.pagedserve.int8_linear
+        return op(x, self.q, self.scale, self.bias, self.scale_d, self.bias_d)
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Ours, panels: cache-sized tiles dequantized to x's dtype, each through oneDNN's GEMM."""
-        return torch.ops.pagedserve.int8_gemm(x, self.q, self.scale)
+        op = torch.ops.pagedserve.int6_gemm if self.code_bits == 6 else torch.ops.pagedserve.int8_gemm
+        return op(x, self.q, self.scale, self.bias, self.scale_d, self.bias_d)
 
     def torch_gemv(self, x: torch.Tensor, kernel_dtype: torch.dtype) -> torch.Tensor:
         """torch's `_weight_int8pack_mm` ("rows" with a row scale), computed in `kernel_dtype`."""
@@ -100,20 +145,38 @@ class Int8Weight(QuantWeight):
         return F.linear(x, self.q.to(x.dtype)) * self.row_scale.to(x.dtype)
 
     def panel_operands(self) -> list[torch.Tensor] | None:
-        """What our GEMV takes (and the fused decode layer, engine/csrc/decode_layer.cpp), in panels only."""
-        return [self.q, self.scale] if self.layout == "panels" else None
+        """What our GEMV takes (and the fused decode layer, engine/csrc/decode_layer.cpp), in panels only: codes
+        and the four group values, an empty tensor for each one absent."""
+        if self.layout != "panels":
+            return None
+        empty = self.q.new_empty(0)
+        return [self.q] + [empty if getattr(self, n) is None else getattr(self, n) for n in VALUES]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.q, self.scale] + ([self.row_scale] if self.row_scale is not None else [])
+        held = [self.q, self.row_scale] + [getattr(self, n) for n in VALUES]
+        return [t for t in held if t is not None]
 
     def storage_bits(self) -> int:
         n, k = self.shape
-        scale_bits = 32 * self.scale.unique().numel() if self.format == "int8-tensor" else 16 * self.scale.numel()
-        return 8 * n * k + scale_bits
+        if self.format == "int8-tensor":
+            return 8 * n * k + 32 * self.scale.unique().numel()
+        values = [getattr(self, name) for name in VALUES]
+        return self.code_bits * n * k + sum(8 * v.numel() * v.element_size() for v in values if v is not None)
 
     @classmethod
     def cat(cls, parts: list[QuantWeight]) -> Int8Weight:
         if parts[0].format == "int8-tensor":  # one scale per original matrix, spelled out per row
             scale = torch.cat([p.scale.expand(p.shape[0], 1) for p in parts])
             return cls(torch.cat([p.q for p in parts]), scale, "int8-tensor")
-        return cls(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), parts[0].format)
+        if len({(p.group, p.bias is None, p.scale_d is None, p.bias_d is None) for p in parts}) != 1:
+            raise ValueError("cannot fuse int8 weights with different groups or value layouts")
+        if parts[0].scale_d is not None and len({p.scale.shape[1] // p.scale_d.shape[1] for p in parts}) != 1:
+            raise ValueError("cannot fuse int8 weights with different super-blocks")
+        cat = lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
+        return cls(torch.cat([p.q for p in parts]), cat("scale"), parts[0].format, cat("bias"), cat("scale_d"),
+                   cat("bias_d"))
+
+
+def _fits_6_bits(q: torch.Tensor) -> bool:
+    """Codes within -32..31 (GGUF's 5- and 6-bit types, alone or fused with 4-bit ones): 6 bits each."""
+    return q.numel() > 0 and int(q.min()) >= -32 and int(q.max()) <= 31

@@ -59,3 +59,26 @@ def rows_to_panels(t: torch.Tensor) -> torch.Tensor:
 def rows_from_panels(t: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of `rows_to_panels`."""
     return t.transpose(1, 2).reshape(n, -1)
+
+
+def int6_to_panels(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes -32..31 [N, K] -> our int6 kernels' layout [N/16, 12K] of c + 32: per 32 codes of a panel, the
+    int4 layout's 4 steps of their low 4 bits (256 bytes), then 2 x 64 bytes of their high 2 bits: byte 4r + i of
+    piece h holds row r's codes 16h + i, 16h + 4 + i, 16h + 8 + i, 16h + 12 + i in bits 0-1, 2-3, 4-5, 6-7."""
+    n, k = q.shape
+    c = (q.to(torch.int16) + 32).to(torch.uint8)
+    low = to_panels(pack_nibbles(c & 15)).view(n // PANEL, k // 32, 256)
+    hi = (c >> 4).view(n // PANEL, PANEL, k // 32, 2, 4, 4)  # [panel, row, block, piece h, slot j, i]
+    pieces = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)  # [.., row, blk, h, i]
+    pieces = pieces.permute(0, 2, 3, 1, 4).reshape(n // PANEL, k // 32, 128)  # [panel, block, h, row, i]
+    return torch.cat((low, pieces), dim=2).reshape(n // PANEL, 12 * k)
+
+
+def int6_from_panels(panels: torch.Tensor) -> torch.Tensor:
+    """Inverse of `int6_to_panels`: int8 codes [N, K]."""
+    p, k = panels.shape[0], panels.shape[1] // 12
+    b = panels.view(p, k // 32, 384)
+    low = unpack_nibbles(from_panels(b[:, :, :256].reshape(p, 8 * k)))  # [N, K]
+    pieces = b[:, :, 256:].reshape(p, k // 32, 2, PANEL, 4).permute(0, 3, 1, 2, 4)  # [panel, row, blk, h, i]
+    hi = torch.stack([(pieces >> (2 * j)) & 3 for j in range(4)], dim=-2)  # [panel, row, blk, h, j, i]
+    return ((low | (hi.reshape(p * PANEL, k) << 4)).to(torch.int16) - 32).to(torch.int8)

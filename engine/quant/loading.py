@@ -1,9 +1,13 @@
-"""Quantize on load: projection weights go straight from the checkpoint stream into quantized storage.
+"""Quantized weights on load: straight from the checkpoint stream into quantized storage.
 
 The model is built on the meta device with the projections (and optionally the LM head and embeddings) marked
 quantized (`prepare_modules`), so no full-precision copy of those weights is ever allocated; `quantized_stream`
-turns each checkpoint tensor into its storage on the way to `LlamaModel.load_weights`. GGUF Q4_0/Q4_1 tensors
-become `int4` (group 32) storage and Q8_0 embeddings int8 (group 32) storage without a dense round trip.
+turns each checkpoint tensor into its storage on the way to `LlamaModel.load_weights`.
+
+`auto` (the default) serves a GGUF's quantized tensors at the file's own bits, each type mapped exactly
+(engine/quant/gguf_blocks.py; a type with no mapping becomes int8 rows), as llama.cpp does; a float checkpoint
+stays dense. A named format (`int8`, `int4`, ...) requantizes, taking GGUF blocks directly where they already are
+that format (Q4_0/Q4_1 for int4 at group 32, a Q8_0 embedding for int8 rows).
 """
 
 from __future__ import annotations
@@ -12,34 +16,32 @@ import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from pagedserve.engine.layers.dispatch import KernelTable
 from pagedserve.engine.layers.linear import Linear
 from pagedserve.engine.models.llama import PROJECTIONS
 from pagedserve.engine.quant.formats import FORMATS, default_group_size, quantize
-from pagedserve.engine.quant.int4 import Int4Weight
+from pagedserve.engine.quant.gguf_blocks import GGUFBlocks
 from pagedserve.engine.quant.int8 import Int8Weight
-from pagedserve.engine.quant.layouts import pack_nibbles
 from pagedserve.engine.quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
 
-GGUF_DIRECT = ("Q8_0", "Q4_0", "Q4_1")
 TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """What to quantize and how. `group_size=None`: 32 for a GGUF of Q4 blocks, else `default_group_size`."""
+    """What to quantize and how. `group_size=None`: 32 for a GGUF of Q4 blocks, else `default_group_size`.
+    `auto`: a GGUF's quantized tensors as they are (LM head and embeddings included)."""
 
     format: str
     group_size: int | None = None
     quantize_lm_head: bool | None = None  # None: on for int8, int8-tensor and int4; off for nf4 and int4-tensor
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
+        if self.format not in FORMATS + ("auto",):
             raise ValueError(f"unknown quantization {self.format!r}; choose from none, {', '.join(FORMATS)}")
         if self.group_size is not None and self.group_size not in (32, 64, 128, 256):
             raise ValueError(f"quant_group_size must be 32, 64, 128 or 256, got {self.group_size}")
@@ -47,7 +49,7 @@ class QuantSpec:
     @property
     def lm_head(self) -> bool:
         if self.quantize_lm_head is None:
-            return self.format in ("int8", "int8-tensor", "int4")
+            return self.format in ("auto", "int8", "int8-tensor", "int4")
         return self.quantize_lm_head
 
     @property
@@ -64,52 +66,28 @@ class QuantSpec:
         return cls(quantization, group_size, quantize_lm_head)
 
 
-class GGUFBlocks:
-    """A llama.cpp block-quantized tensor, kept as its raw bytes [rows, bytes per row]."""
-
-    def __init__(self, kind: str, data: np.ndarray, shape: tuple[int, int]) -> None:
-        self.kind, self.data, self.shape = kind, data, shape
-
-    def dequantize(self) -> torch.Tensor:
-        import gguf
-
-        dense = gguf.quants.dequantize(self.data, gguf.GGMLQuantizationType[self.kind])
-        return torch.from_numpy(np.asarray(dense, dtype=np.float32).reshape(self.shape))
-
-    def direct(self, fmt: str, group: int, embedding: bool = False) -> QuantWeight | None:
-        """Our storage holding exactly these values, where the layout allows; else None."""
-        n, k = self.shape
-        raw = torch.from_numpy(np.array(self.data)).view(n, k // 32, -1)
-        if self.kind == "Q8_0" and embedding:  # [d: fp16][32 x int8]
-            d = raw[:, :, :2].contiguous().view(torch.float16).view(n, k // 32)
-            q = raw[:, :, 2:].contiguous().view(torch.int8).reshape(n, k)
-            return Int8Weight(q, d, "int8")
-        if self.kind in ("Q4_0", "Q4_1") and fmt == "int4" and group == 32:
-            head = 2 if self.kind == "Q4_0" else 4  # [d][m (Q4_1)][16 bytes: x_j low, x_{j+16} high]
-            d = raw[:, :, :2].contiguous().view(torch.float16).view(n, k // 32)
-            b = raw[:, :, head:]
-            codes = torch.cat((b & 15, b >> 4), dim=-1).reshape(n, k)  # element order within the block
-            zero = None
-            if self.kind == "Q4_1":  # d*c + m = (c - 8) d + (m + 8 d)
-                m = raw[:, :, 2:4].contiguous().view(torch.float16).float().view(n, k // 32)
-                zero = m + 8 * d.float()
-            return Int4Weight(pack_nibbles(codes), d, zero, "int4", group=32)
-        return None
-
-
 def quantize_tensor(t: torch.Tensor | GGUFBlocks, spec: QuantSpec, group: int, embedding: bool = False) -> QuantWeight:
-    """One checkpoint tensor -> storage: GGUF blocks directly where the layout allows (`from_blocks` set), else
-    quantized (embeddings: int8 rows)."""
-    if isinstance(t, GGUFBlocks):
-        qw = t.direct(spec.format, group, embedding)
-        if qw is not None:
+    """One checkpoint tensor -> storage (`from_blocks` set where GGUF blocks were taken as they are).
+
+    `auto`: GGUF blocks of a mapped type as they are, others int8 rows. A named format: blocks that already are
+    it (Q4_0/Q4_1 for int4 at group 32; a Q8_0 embedding for int8), else quantized (embeddings: int8 rows)."""
+    if isinstance(t, GGUFBlocks) and t.mapped:
+        as_is = spec.format == "auto" or (
+            spec.format == "int4" and group == 32 and t.kind in ("Q4_0", "Q4_1") and not embedding) or (
+            embedding and t.kind == "Q8_0")
+        if as_is:
+            qw = t.storage()
+            if spec.format != "auto":
+                qw.format = "int8" if embedding else spec.format
             qw.from_blocks = True
             return qw
+    if isinstance(t, GGUFBlocks):
         t = t.dequantize()
-    return Int8Weight.quantize(t) if embedding else quantize(t, spec.format, group)
+    return Int8Weight.quantize(t) if embedding or spec.format == "auto" else quantize(t, spec.format, group)
 
 
 def resolve_group_size(spec: QuantSpec, model, gguf_q4: bool) -> int:
+    """int4's group: 32 on a GGUF of Q4 blocks (they map directly), else `default_group_size`. (auto: unused.)"""
     if spec.group_size is not None:
         return spec.group_size
     if gguf_q4 and spec.format == "int4":
@@ -118,14 +96,30 @@ def resolve_group_size(spec: QuantSpec, model, gguf_q4: bool) -> int:
     return default_group_size([cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size])
 
 
-def prepare_modules(model, spec: QuantSpec) -> None:
+def prepare_modules(model, spec: QuantSpec, quantized: set[str] | None = None) -> None:
     """On the meta model: the projections (and LM head, embeddings) will hold quantized storage, so the dense
-    weights are never allocated."""
+    weights are never allocated. `quantized`: with auto, the HF names of the checkpoint's quantized tensors (only
+    those modules are marked; a tied LM head follows the embedding)."""
     targets = TARGETS + (("lm_head",) if spec.lm_head else ())
+
+    # our module's name -> the checkpoint names it is made of (a fused projection: its pieces)
+    sources = {ours: [] for ours, _, _ in PROJECTIONS.values()}
+    for hf, (ours, _, _) in PROJECTIONS.items():
+        sources[ours].append(hf)
+
+    def marked(module_name: str) -> bool:
+        if quantized is None:
+            return True
+        if module_name == "lm_head" and model.config.tie_word_embeddings:
+            return "embed_tokens.weight" in quantized
+        prefix, _, leaf = module_name.removeprefix("model.").rpartition(".")
+        names = [f"{prefix}.{hf}" if prefix else hf for hf in sources.get(leaf, [leaf])]
+        return any(n + ".weight" in quantized for n in names)
+
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and name.split(".")[-1] in targets:
+        if isinstance(module, Linear) and name.split(".")[-1] in targets and marked(name):
             module.weight = None
-    if spec.lm_head:  # embeddings too: an int8 row lookup
+    if spec.lm_head and marked("embed_tokens"):  # embeddings too: a row lookup
         model.embed_tokens.weight = None
 
 
@@ -134,23 +128,30 @@ def quantized_stream(model, weights: Iterable[tuple[str, torch.Tensor | GGUFBloc
     """The checkpoint stream for `model.load_weights`, projections as their quantized storage (GGUF blocks mapped
     directly where the layout allows); embeddings and the LM head are set here."""
     tied = model.config.tie_word_embeddings
+    auto = spec.format == "auto"
     head_spec = QuantSpec(spec.head_format, spec.group_size)
     stats = {"direct": 0, "quantized": 0}
+    types: dict[str, int] = {}
 
     def to_quant(t, embedding: bool = False, head: bool = False) -> QuantWeight:
         qw = quantize_tensor(t, head_spec if head else spec, group, embedding)
         stats["direct" if getattr(qw, "from_blocks", False) else "quantized"] += 1
+        types[qw.format] = types.get(qw.format, 0) + 1
         return qw
 
     for name, t in weights:
         short = name.removeprefix("model.")
         parts = short.split(".")
+        if auto and not isinstance(t, GGUFBlocks):  # a float tensor stays dense
+            yield name, t
+            continue
         if spec.lm_head and short == "embed_tokens.weight":
             emb = to_quant(t, embedding=True)
             model.embed_tokens.quantize_to(emb, dtype)
-            if tied:  # one int8 copy serves both where the formats agree (per row, or Q8_0 where our kernels run)
+            if tied:  # one copy serves both where the formats agree (per row, or panels where our kernels run)
                 ours = table.cpp and device.type == "cpu" and emb.panels_fit()
-                same = spec.head_format == "int8" and (emb.group == emb.shape[1] or ours)
+                same = (auto or spec.head_format == "int8") and (ours or (
+                    isinstance(emb, Int8Weight) and emb.plain and emb.group == emb.shape[1]))
                 model.lm_head.quantize_to(emb if same else to_quant(t, head=True))
             continue
         if short == "lm_head.weight" and spec.lm_head:
@@ -161,8 +162,13 @@ def quantized_stream(model, weights: Iterable[tuple[str, torch.Tensor | GGUFBloc
             yield name, to_quant(t)
             continue
         yield name, (t.dequantize() if isinstance(t, GGUFBlocks) else t)
-    logger.info("quantized to %s (group %d): %d tensors mapped directly from GGUF blocks, %d quantized on load",
-                spec.format, group, stats["direct"], stats["quantized"])
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(types.items()))
+    if auto:
+        logger.info("GGUF weights at their own bits: %s (%d tensors as the file holds them, %d as int8 rows)",
+                    kinds, stats["direct"], stats["quantized"])
+    else:
+        logger.info("quantized to %s (group %d): %d tensors mapped directly from GGUF blocks, %d quantized on load "
+                    "(%s)", spec.format, group, stats["direct"], stats["quantized"], kinds)
 
 
 def quantize_model(model, spec: QuantSpec, group: int | None = None) -> None:

@@ -54,6 +54,14 @@ class QuantWeight(ABC):
         return self.storage_bits() / (self.shape[0] * self.shape[1])
 
 
+def group_values(v: torch.Tensor, d: torch.Tensor | None) -> torch.Tensor:
+    """fp32 [N, G] per-group values (scales or biases): `v` as it is, or 8-bit codes `v` times an fp16 factor
+    `d` [N, G / per] shared by `per` consecutive groups (a K-quant's super-block; the product is exact in fp32)."""
+    if d is None:
+        return v.float()
+    return v.float() * d.float().repeat_interleave(v.shape[1] // d.shape[1], dim=1)
+
+
 def grouped(w: torch.Tensor, group: int) -> torch.Tensor:
     """[N, K] -> fp32 [N, K / group, group]."""
     n, k = w.shape

@@ -1,0 +1,70 @@
+"""A request's input side: prompt text -> token ids, and the checks a request must pass before it may queue.
+
+Needs the tokenizer and the context length, never the weights: the engine owns one, and so does a front end that
+only tokenizes and routes (the Ray ingress, server/ray_app.py), so both refuse exactly the same requests.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from pagedserve.engine.errors import ContextLengthExceededError, InvalidRequestError
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.structured import StructuredOutputs
+from pagedserve.engine.tokenizer import apply_chat_template
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
+                 structured: StructuredOutputs | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.structured = structured or StructuredOutputs(tokenizer, vocab_size)
+        self._lock = threading.Lock()  # HF fast tokenizers mutate state on encode ("Already borrowed")
+        # No token is longer than this many characters, so a longer text cannot fit the context: it is
+        # refused without tokenizing it (a normalizer may merge characters, hence the slack).
+        self._max_token_chars = 0
+        if tokenizer is not None:
+            self._max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
+            backend = getattr(tokenizer, "backend_tokenizer", None)
+            if backend is None or backend.normalizer is not None:
+                self._max_token_chars *= 4
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt. Any thread; O(prompt size), so servers call it off their event loop."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids", "prompt")
+            self.check_prompt_chars(len(prompt), "prompt")
+            with self._lock:
+                return list(self.tokenizer.encode(prompt, add_special_tokens=True)) if prompt else []
+        return list(prompt)
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Chat messages (and tools, for templates that take them) -> prompt token ids. Any thread."""
+        with self._lock:
+            return apply_chat_template(self.tokenizer, messages, tools=tools)
+
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
+        """Refuse a text that cannot fit the context whatever its tokens, before paying to tokenize it."""
+        limit = self.max_model_len * self._max_token_chars
+        if self._max_token_chars and num_chars > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and the prompt has "
+                f"{num_chars} characters: more than {limit} cannot fit. Please reduce the prompt.", param,
+                "context_length_exceeded")
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a tokenized request; return its resolved max_tokens. Raises InvalidRequestError."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len or (max_tokens < 1 and params.max_tokens is None):  # before O(n)
+            raise ContextLengthExceededError(n, max(max_tokens, 1), self.max_model_len)
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        self.structured.check(params)
+        return max_tokens

@@ -1,0 +1,164 @@
+"""The replica fleet without Ray: the affinity policy, and the Fleet's refusals, retries and coded errors over
+fake replicas (the Ray tier, tests/test_ray.py, runs the real thing)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagedserve.engine.async_engine import AdmissionLimits, OverloadedError
+from pagedserve.engine.output_processor import RequestMetrics, RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.server.affinity import PrefixAffinity, ReplicaLoad, RoutingKey, block_chain
+from pagedserve.server.fleet import Admitted, Fleet, Refused, ReplicaLostError
+
+SECRET = b"s" * 32
+
+
+def test_block_chain_is_block_aligned_prefix_shared_and_namespaced():
+    a = block_chain(list(range(40)), 16, SECRET)
+    b = block_chain(list(range(32)) + [7] * 8, 16, SECRET)
+    assert len(a) == 2 and a == b  # two full blocks before the last token; the tail does not count
+    assert block_chain(list(range(33)), 16, SECRET) == a  # the 33rd token is the one always computed
+    assert block_chain(list(range(32)), 16, SECRET) == a[:1]
+    c = block_chain([1] + list(range(1, 40)), 16, SECRET)
+    assert c[0] != a[0] and c[1] != a[1]  # a chain: a change early changes every later digest
+    assert set(block_chain(list(range(40)), 16, SECRET, "key:t1")).isdisjoint(a)  # tenants never match
+    assert set(block_chain(list(range(40)), 16, b"x" * 32)).isdisjoint(a)  # nor does another ingress's secret
+
+
+def test_longest_prefix_wins_until_imbalanced():
+    aff = PrefixAffinity(balance_abs=4, balance_rel=1.5, seed=0)
+    p1, p2 = block_chain(list(range(100)), 16, SECRET), block_chain(list(range(100, 200)), 16, SECRET)
+    aff.record("r1", p1)
+    aff.record("r2", p2[:2])
+    idle = [ReplicaLoad("r1"), ReplicaLoad("r2")]
+    assert aff.rank(idle, RoutingKey(p1))[0] == ["r1"]
+    assert aff.rank(idle, RoutingKey(p2))[0] == ["r2"]
+    # a longer partial match beats a shorter one
+    aff.record("r1", p2[:4])
+    assert aff.rank(idle, RoutingKey(p2))[0] == ["r1"]
+    # imbalanced beyond both thresholds: the least loaded, whatever it holds
+    busy = [ReplicaLoad("r1", num_running=8, num_waiting=2), ReplicaLoad("r2", num_running=1)]
+    assert aff.rank(busy, RoutingKey(p1)) == [["r2"], ["r1"]]
+    # within the thresholds: affinity still wins
+    near = [ReplicaLoad("r1", num_running=4), ReplicaLoad("r2", num_running=1)]
+    assert aff.rank(near, RoutingKey(p1))[0] == ["r1"]
+
+
+def test_no_match_is_power_of_two_and_full_or_avoided_replicas_go_last():
+    aff = PrefixAffinity(seed=1)
+    loads = [ReplicaLoad(f"r{i}") for i in range(4)]
+    tiers = aff.rank(loads, RoutingKey(block_chain(list(range(50)), 16, SECRET)))
+    assert len(tiers[0]) == 2 and sorted(tiers[0] + tiers[1]) == ["r0", "r1", "r2", "r3"]
+    full = [ReplicaLoad("r0", can_admit=False), ReplicaLoad("r1"), ReplicaLoad("r2")]
+    aff.record("r0", block_chain(list(range(50)), 16, SECRET))
+    tiers = aff.rank(full, RoutingKey(block_chain(list(range(50)), 16, SECRET), avoid=("r1",)))
+    assert tiers == [["r2"], ["r0"], ["r1"]]  # the cached one is full: it may only refuse, so it comes late
+    assert aff.rank([ReplicaLoad("r0", can_admit=False)], None) == [["r0"]]  # its own admission answers: 429
+
+
+def test_the_record_is_a_bounded_lru_and_a_dead_replica_is_forgotten():
+    aff = PrefixAffinity(max_blocks_per_replica=3)
+    chain = block_chain(list(range(100)), 16, SECRET)
+    aff.record("r", chain)
+    assert aff.match("r", chain) == 0  # the oldest (the head of the chain) aged out first
+    aff.record("r", chain[:3])
+    assert aff.match("r", chain) == 3
+    aff.forget("r")
+    assert aff.match("r", chain) == 0
+
+
+def test_replica_load_from_published_stats():
+    x = ReplicaLoad.of("r", {"num_running": 3, "num_waiting": 4, "max_waiting_requests": 4, "drain_rate": 2.0})
+    assert x.load == 7 and not x.can_admit and x.drain_rate == 2.0
+    assert ReplicaLoad.of("r", {}).can_admit  # before its first report: assumed idle
+
+
+# ---- Fleet over fake replicas --------------------------------------------------------------------------------
+class Inputs:
+    tokenizer = None
+    max_model_len = 128
+
+    def validate(self, ids, params):
+        return params.max_tokens
+
+
+def out(rid: str, token: int, finished: bool) -> RequestOutput:
+    return RequestOutput(request_id=rid, new_token_ids=[token], text=f"t{token}", finished=finished,
+                         finish_reason="length" if finished else None, num_prompt_tokens=3, num_output_tokens=token,
+                         num_cached_tokens=0, metrics=RequestMetrics(0.0))
+
+
+class Replicas:
+    """Each call takes the next scripted behaviour: 'refuse', 'die_before', 'die_after', or 'ok'."""
+
+    def __init__(self, script: list[str], stats: dict | None = None) -> None:
+        self.script, self.calls = list(script), []
+        self.stats = stats if stats is not None else {"r0": {}, "r1": {}}
+
+    async def dispatch(self, rid, ids, params, key: RoutingKey):
+        what = self.script.pop(0)
+        replica = f"r{len(self.calls) % 2}"
+        self.calls.append((what, key.avoid))
+        if what == "refuse":
+            yield Refused(replica, "server overloaded: full", "queue_full")
+            return
+        yield Admitted(replica)
+        if what == "die_before":
+            raise ReplicaLostError("gone")
+        yield out(rid, 1, False)
+        if what == "die_after":
+            raise ReplicaLostError("gone")
+        yield out(rid, 2, True)
+
+
+def fleet(replicas: Replicas) -> Fleet:
+    return Fleet(Inputs(), replicas.dispatch, lambda: replicas.stats, AdmissionLimits(), 16)
+
+
+async def run(f: Fleet) -> tuple[list[str], BaseException | None]:
+    f.reserve()
+    s = f.submit("req", [1, 2, 3], SamplingParams(max_tokens=2))
+    texts = []
+    try:
+        await s.wait_started()
+        async for o in s:
+            texts.append(o.text)
+    except BaseException as e:  # noqa: BLE001
+        return texts, e
+    return texts, None
+
+
+def test_fleet_runs_a_request_and_retries_a_refusal_elsewhere():
+    r = Replicas(["ok"])
+    assert asyncio.run(run(fleet(r))) == (["t1", "t2"], None)
+    r = Replicas(["refuse", "ok"])
+    assert asyncio.run(run(fleet(r))) == (["t1", "t2"], None)
+    assert r.calls == [("refuse", ()), ("ok", ("r0",))]  # the refuser is ranked last on the retry
+
+
+def test_every_replica_refusing_is_our_overload_error_with_a_fleet_retry_after():
+    r = Replicas(["refuse", "refuse"], stats={"r0": {"num_waiting": 4, "drain_rate": 1.0},
+                                              "r1": {"num_waiting": 4, "drain_rate": 1.0}})
+    texts, err = asyncio.run(run(fleet(r)))
+    assert texts == [] and isinstance(err, OverloadedError) and err.reason == "queue_full"
+    assert err.retry_after == 4.0  # 8 waiting in the fleet over 2 starts/s
+
+
+def test_all_replicas_full_is_refused_before_dispatch():
+    f = fleet(Replicas([], stats={"r0": {"num_waiting": 2, "max_waiting_requests": 2},
+                                  "r1": {"num_waiting": 2, "max_waiting_requests": 2}}))
+    with pytest.raises(OverloadedError):
+        f.reserve()
+
+
+def test_death_before_the_first_output_is_retried_once_after_it_is_a_coded_error():
+    r = Replicas(["die_before", "ok"])
+    assert asyncio.run(run(fleet(r))) == (["t1", "t2"], None)
+    assert r.calls[1][1] == ("r0",)
+    texts, err = asyncio.run(run(fleet(Replicas(["die_before", "die_before"]))))
+    assert texts == [] and isinstance(err, ReplicaLostError) and err.code == "replica_died"
+    texts, err = asyncio.run(run(fleet(Replicas(["die_after"]))))  # a client saw part of it: never replayed
+    assert texts == ["t1"] and isinstance(err, ReplicaLostError) and err.code == "replica_died"
