@@ -34,14 +34,21 @@ def tune() -> bool:
     return _keep_freed_blocks()
 
 
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):  # not glibc
+        return None
+
+
 def release_freed() -> None:
     """Hand freed heap memory back to the kernel (glibc's malloc_trim): after loading, whose temporaries (raw
-    blocks, unpacked codes) the kept-blocks setting would otherwise leave resident."""
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        pass
+    blocks, unpacked codes) the kept-blocks setting would otherwise leave resident, and now and then while
+    serving (engine/async_engine.py)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _keep_freed_blocks() -> bool:

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedserve.engine import allocator
 from pagedserve.engine.config import opt
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine
@@ -49,6 +50,10 @@ class AdmissionLimits:
 
 # How many recent gaps between starts the start rate is measured over
 RATE_WINDOW = 64
+# How often a busy loop hands freed heap memory back (allocator.release_freed), and once on going idle: the
+# engine keeps freed blocks for reuse (engine/allocator.py), so without it the resident set creeps up over hours
+# of varied batch shapes by what the heap happens to hold free. Trimming costs milliseconds.
+TRIM_EVERY_S = 60.0
 
 
 class _Stream:
@@ -104,15 +109,20 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        trimmed, busy = time.monotonic(), False
         try:
             while not self._stop.is_set():
                 if self._want_snapshot.is_set():  # a dashboard asked: between steps, the books balance
                     self._want_snapshot.clear()
                     self._loop.call_soon_threadsafe(self._deliver_snapshot, engine.snapshot())
+                if busy and (not engine.has_unfinished() or time.monotonic() - trimmed > TRIM_EVERY_S):
+                    allocator.release_freed()
+                    trimmed, busy = time.monotonic(), False
                 if not engine.has_unfinished():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
+                busy = True
                 outputs = engine.step()
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)

@@ -141,7 +141,7 @@ def build_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
         f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items()), sum(sizes.values()) / 2**20,
         model.layers[0].self_attn.qkv_proj.describe_routes())
     allocator.release_freed()
-    logger.info("model loaded in %.1f s, resident memory +%.0f MiB", time.perf_counter() - start,
+    logger.info("model loaded in %.1f s, resident memory %+.0f MiB", time.perf_counter() - start,
                 (resident_bytes() - resident) / 2**20)
     return model
 
