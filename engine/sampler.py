@@ -23,6 +23,9 @@ class SampleRequest:
     constraint: TokenConstraint | None = None  # grammar mask, allowed tokens, logit bias
 
 
+LOGPROB_FLOOR = -9999.0
+
+
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int
@@ -71,7 +74,9 @@ class Sampler:
         logprobs: list[TokenLogprob | None] = [None] * n
         want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if want:
-            lp = logits[want].log_softmax(dim=-1)
+            # A token masked out (grammar, logit_bias, allowed ids) has logprob -inf, which JSON cannot carry;
+            # report it at a finite floor as vLLM's server does.
+            lp = logits[want].log_softmax(dim=-1).clamp_(min=LOGPROB_FLOOR)
             k = max(reqs[i].params.logprobs for i in want)
             top_v, top_i = lp.topk(max(k, 1), dim=-1)
             chosen = lp.gather(1, tokens[want][:, None]).squeeze(1).tolist()

@@ -117,6 +117,19 @@ def test_json_object_regex_choice_and_grammar(client):
     assert re.fullmatch(r"The answer is [0-9][0-9]?\.", r.choices[0].text)
 
 
+def test_logprobs_of_masked_tokens_are_finite(client):
+    """A choice allows fewer tokens than top logprobs asks for: the rest are masked (-inf), which JSON cannot carry;
+    they come back at vLLM's floor of -9999.0 rather than as a 500."""
+    r = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=1, temperature=0,
+                                  logprobs=5, extra_body={"guided_choice": ["7"]})
+    top = r.choices[0].logprobs.top_logprobs[0]
+    assert len(top) == 5 and min(top.values()) == -9999.0
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Sky blue?"}],
+                                       max_tokens=1, temperature=0, logprobs=True, top_logprobs=5,
+                                       extra_body={"guided_choice": ["7"]})
+    assert min(t.logprob for t in r.choices[0].logprobs.content[0].top_logprobs) == -9999.0
+
+
 def test_n_choices_each_follow_the_schema(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[0], "strict": True}}
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A person, as JSON"}],
