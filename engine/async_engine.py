@@ -119,6 +119,7 @@ class AsyncEngine:
                     allocator.release_freed()
                     trimmed, busy = time.monotonic(), False
                 if not engine.has_unfinished():
+                    engine.check_health()  # a tensor-parallel worker that dies while idle ends the loop too
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue

@@ -209,10 +209,21 @@ class EngineConfig:
     draft_dtype: str = opt("auto", "the draft model's dtype (auto, float32, bfloat16, float16)")
     draft_quantization: str = opt("none", "quantize the draft model's weights (the chapter's quantized self-draft)",
                                   choices=("none", "int8", "int4", "nf4", "int8-tensor", "int4-tensor"))
+    tensor_parallel_size: int = opt(1, "split the model across this many ranks (Megatron-style: heads, MLP columns "
+                                       "and vocabulary; rank 0 schedules and samples, ranks 1.. are worker "
+                                       "processes; gloo on CPU, NCCL on CUDA)")
+    cpu_bind: str | None = opt(None, "CPUs of each tensor-parallel rank, '|'-separated, e.g. '0-31|32-63' (one "
+                                     "NUMA node each, as vLLM's VLLM_CPU_OMP_THREADS_BIND): a rank is pinned to "
+                                     "its CPUs and runs one thread per CPU (default: no pinning, this machine's "
+                                     "cores shared evenly)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.cpu_bind is not None:
+            parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size)
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.speculative_method!r}")
@@ -226,6 +237,24 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+def parse_cpu_bind(text: str, ranks: int) -> list[list[int]]:
+    """'0-3,8|4-7' -> [[0, 1, 2, 3, 8], [4, 5, 6, 7]]: one CPU list per tensor-parallel rank."""
+    lists = []
+    for part in text.split("|"):
+        cpus: list[int] = []
+        for item in filter(None, (x.strip() for x in part.split(","))):
+            lo, _, hi = item.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+                raise ValueError(f"cpu_bind {text!r}: {item!r} is not a CPU or a range like 0-31")
+            cpus += range(int(lo), int(hi or lo) + 1)
+        if not cpus:
+            raise ValueError(f"cpu_bind {text!r}: an empty CPU list")
+        lists.append(cpus)
+    if len(lists) != ranks:
+        raise ValueError(f"cpu_bind {text!r} names {len(lists)} CPU lists for tensor_parallel_size={ranks}")
+    return lists
 
 
 def make_config(**kwargs: Any) -> EngineConfig:

@@ -78,13 +78,24 @@ class LLMEngine:
                              f"{self.model_config.max_position_embeddings}")
         t0 = time.perf_counter()
         torch.manual_seed(config.seed)
-        if model is None:
-            quant = QuantSpec.from_options(config.quantization, config.quant_group_size, config.quantize_lm_head)
-            model = build_model(model_path, self.model_config, self.dtype, self.device, max_len, config.seed, quant,
-                                self.kernels)
-        elif model.rope.max_positions < max_len:
-            raise ValueError(f"the given model was built for {model.rope.max_positions} positions < {max_len}")
-        self.runner = ModelRunner(config, self.model_config, model, self.device, self.dtype, self.kernels)
+        self.workers = None  # tensor-parallel ranks 1..N-1 (engine/parallel/workers.py)
+        tp = None
+        if config.tensor_parallel_size > 1:
+            tp = self._start_workers(model, max_len)
+        try:
+            if model is None:
+                quant = QuantSpec.from_options(config.quantization, config.quant_group_size, config.quantize_lm_head)
+                model = build_model(model_path, self.model_config, self.dtype, self.device, max_len, config.seed,
+                                    quant, self.kernels, tp)
+            elif model.rope.max_positions < max_len:
+                raise ValueError(f"the given model was built for {model.rope.max_positions} positions < {max_len}")
+            if self.workers is not None:
+                self.workers.wait_ready()
+            self.runner = ModelRunner(config, self.model_config, model, self.device, self.dtype, self.kernels, tp,
+                                      self.workers)
+        except BaseException:
+            self.close()
+            raise
         if self.runner.kv_capacity_tokens < max_len:
             logger.warning("KV cache holds %d tokens < max_model_len %d: capping max_model_len",
                            self.runner.kv_capacity_tokens, max_len)
@@ -123,6 +134,28 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
         atexit.register(gc.unfreeze)  # let the interpreter's last collection see them (nanobind reports leaks)
+
+    def _start_workers(self, model: LlamaModel | None, max_len: int):
+        """Spawn the tensor-parallel worker ranks; returns rank 0's TensorParallel (this process's place)."""
+        from pagedserve.engine.parallel.group import check_tensor_parallel
+        from pagedserve.engine.parallel.workers import WorkerGroup, rank_device
+
+        check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
+        if model is not None:
+            raise ValueError("a pre-built model cannot be split for tensor parallelism: pass the model's path")
+        self.device = rank_device(self.device, 0)
+        self.workers, tp = WorkerGroup.start(self.config, self.model_path, self.dtype, max_len, self.device)
+        return tp
+
+    def check_health(self) -> None:
+        """Raise if the engine can no longer step (a tensor-parallel worker died). Cheap; any thread."""
+        if self.workers is not None:
+            self.workers.check()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them). The engine cannot step afterwards."""
+        if self.workers is not None:
+            self.workers.close()
 
     # ---- requests -----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -208,7 +241,7 @@ class LLMEngine:
                                                     zip(sched.seqs, sched.num_new_tokens)])
         decode = sum(n for s, n in zip(sched.seqs, sched.num_new_tokens) if s.num_tokens - s.num_computed_tokens == 1)
         t0 = time.perf_counter()
-        sampled, logprobs, prompt_lps = self.runner.run(StepInput(sched.seqs, sched.num_new_tokens, sample))
+        sampled, logprobs, prompt_lps = self._run(StepInput(sched.seqs, sched.num_new_tokens, sample))
         ms = (time.perf_counter() - t0) * 1e3
         self.cost_model.observe(shape, ms)
         self.num_steps += 1
@@ -235,6 +268,16 @@ class LLMEngine:
             outputs.append(self.output_processor.final(r))
             self._forget(r.seq)
         return outputs
+
+    def _run(self, step: StepInput):
+        if self.workers is None:
+            return self.runner.run(step)
+        self.workers.check()
+        try:
+            return self.runner.run(step)
+        except Exception as e:  # a collective or pipe failed: name the dead rank, if one died
+            self.workers.raise_failure(e)
+            raise
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from pagedserve.engine.attention import AttentionMetadata, get_backend
 from pagedserve.engine.config import EngineConfig, ModelConfig, dtype_size
@@ -17,6 +19,10 @@ from pagedserve.engine.prompt_logprobs import prompt_logprobs
 from pagedserve.engine.rejection_sampler import verify_batch
 from pagedserve.engine.sampler import Sampler, SampleRequest, TokenLogprob
 from pagedserve.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from pagedserve.engine.parallel.group import TensorParallel
+    from pagedserve.engine.parallel.workers import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +45,36 @@ class StepInput:
     sample_requests: list[SampleRequest | None]  # per sequence; None where this step samples nothing
 
 
+@dataclass(slots=True)
+class StepMessage:
+    """What a tensor-parallel worker needs to run its shard of a step (rank 0 sends it; small, host lists)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+
+
+@dataclass(slots=True)
+class LogitsMessage:
+    """Rows of the last step's hidden states whose logits rank 0 gathers next (each rank computes its vocab rows)."""
+
+    rows: list[int] | slice
+
+
 class ModelRunner:
+    """`tp`: this rank's place in a tensor-parallel group (None: the whole model). On rank 0, `workers` runs the
+    other ranks: `run` sends them each step's metadata and logits rows; a worker calls `execute` with them."""
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model: LlamaModel,
-                 device: torch.device, dtype: torch.dtype, table: KernelTable | None = None) -> None:
+                 device: torch.device, dtype: torch.dtype, table: KernelTable | None = None,
+                 tp: TensorParallel | None = None, workers: WorkerGroup | None = None) -> None:
         self.config = config
+        self.tp, self.workers = tp, workers
+        # this rank's KV heads (all of them without tensor parallelism)
+        self.num_kv_heads = model_config.num_kv_heads if tp is None else tp.shares(model_config).kv_heads
+        self._hidden: torch.Tensor | None = None  # a worker's last step, for the logits rows that follow
         self.model_config = model_config
         self.model = model
         self.device = device
@@ -51,18 +83,20 @@ class ModelRunner:
         table = table or kernel_table(device, dtype, config.kernel_policy)
         self.backend = get_backend(config.attention_backend, device, table, self.block_size)
         # a small decode step on the CPU: each layer in one C++ call (None where the model has no fused form)
-        self.fused = FusedDecoder.build(model) if self.backend.name == "cpu" and model is not None else None
+        # (not under tensor parallelism: the fused layer has no all-reduce between its projections)
+        self.fused = FusedDecoder.build(model) if self.backend.name == "cpu" and model is not None and tp is None \
+            else None
         self.sampler = Sampler(config.seed, device)
         self.num_blocks = self._num_blocks()
         cfg = model_config
         # One allocation for all layers: [layers, 2 (K, V), blocks, block_size, kv heads, head dim].
         # Zeroed: padded decode rows read never-written slots under a zero softmax weight, and 0 * NaN
         # garbage would still poison the output.
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads,
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
                                     cfg.head_dim, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
         self.graph_runner = None
-        if config.cuda_graphs and device.type == "cuda" and self.backend.name == "triton":
+        if config.cuda_graphs and device.type == "cuda" and self.backend.name == "triton" and tp is None:
             self.graph_runner = self._capture_graphs()
 
     def _capture_graphs(self):
@@ -80,7 +114,9 @@ class ModelRunner:
     # ---- sizing -----------------------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.model_config.kv_bytes_per_token(self.dtype)
+        """This rank's: its KV heads only."""
+        cfg = self.model_config
+        return 2 * cfg.num_layers * self.num_kv_heads * cfg.head_dim * dtype_size(self.dtype)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -103,6 +139,8 @@ class ModelRunner:
         else:
             budget = DEFAULT_CPU_KV_GIB * 2**30
         num = int(budget // per_block)
+        if self.tp is not None:  # every rank holds the same block tables: the smallest budget sets them all
+            num = int(self.tp.all_reduce(torch.tensor([num], device=self.device), dist.ReduceOp.MIN).item())
         if num < 1:
             raise ValueError(f"KV-cache budget of {budget / 2**30:.2f} GiB holds no {per_block}-byte block")
         return num
@@ -113,7 +151,7 @@ class ModelRunner:
         cfg, sched = self.model_config, self.config.scheduler
         tokens = sched.max_num_batched_tokens
         blocks = -(-tokens // self.block_size)
-        scratch = torch.zeros(cfg.num_layers, 2, blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+        scratch = torch.zeros(cfg.num_layers, 2, blocks, self.block_size, self.num_kv_heads, cfg.head_dim,
                               dtype=self.dtype, device=self.device)
         caches = [(scratch[i, 0], scratch[i, 1]) for i in range(cfg.num_layers)]
         positions = [p % self.model.rope.max_positions for p in range(tokens)]
@@ -159,6 +197,8 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(seq.block_table)
+        if self.workers is not None:
+            self.workers.send(StepMessage(input_ids, positions, query_lens, seq_lens, tables))
         host = HostBatch.build(input_ids, positions, query_lens, seq_lens, tables, self.block_size)
         if self.graph_runner is not None and len(input_ids) == len(order) and self.graph_runner.fits(len(order)):
             hidden = self.graph_runner.run(host.input_ids, host.positions, host.slot_mapping, host.seq_lens,
@@ -178,7 +218,7 @@ class ModelRunner:
         # a speculating sequence needs logits at each draft position too: one row per draft, then its last
         num_drafts = [len(step.seqs[i].spec_token_ids) for _, i in sampling]
         rows = [r for (row, _), k in zip(sampling, num_drafts) for r in range(row - k, row + 1)]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self._logits(hidden, rows)
         if any(num_drafts):
             return (*self._verify(step, sampling, num_drafts, logits), prompt_lps)
         tokens, lps = self.sampler(logits, [step.sample_requests[i] for _, i in sampling])
@@ -186,6 +226,28 @@ class ModelRunner:
             sampled[i] = tok
             logprobs[i] = lp
         return sampled, logprobs, prompt_lps
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int] | slice) -> torch.Tensor:
+        """fp32 logits at `rows` of the step's hidden states (the workers compute their vocab rows of them too)."""
+        if self.workers is not None:
+            self.workers.send(LogitsMessage(rows))
+        return self.model.compute_logits(hidden[self._index(rows)])
+
+    def _index(self, rows: list[int] | slice) -> torch.Tensor | slice:
+        return rows if isinstance(rows, slice) else torch.tensor(rows, device=self.device)
+
+    def execute(self, message: StepMessage | LogitsMessage) -> None:
+        """A tensor-parallel worker's part of what rank 0's `run` does: the forward of a step, then the logits
+        rows rank 0 gathers."""
+        with torch.inference_mode():
+            if isinstance(message, LogitsMessage):
+                self.model.compute_logits(self._hidden[self._index(message.rows)])
+                return
+            m = message
+            host = HostBatch.build(m.input_ids, m.positions, m.query_lens, m.seq_lens, m.tables, self.block_size)
+            self._hidden = self._forward(host.input_ids.to(self.device), host.positions.to(self.device),
+                                         self._backend_metadata(host.metadata(self.device, m.query_lens,
+                                                                              m.seq_lens)))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.fused is not None:
@@ -204,8 +266,9 @@ class ModelRunner:
             if seq.params.prompt_logprobs is None or stop <= start:
                 continue
             row = ends[j] - n
-            out[i] = (start, prompt_logprobs(self.model, hidden[row:row + stop - start],
-                                             seq.token_ids[start + 1:stop + 1], seq.params.prompt_logprobs))
+            out[i] = (start, prompt_logprobs(lambda lo, hi, row=row: self._logits(hidden, slice(row + lo, row + hi)),
+                                             stop - start, seq.token_ids[start + 1:stop + 1],
+                                             seq.params.prompt_logprobs))
         return out
 
     def _verify(self, step: StepInput, sampling: list[tuple[int, int]], num_drafts: list[int],
@@ -229,7 +292,7 @@ class ModelRunner:
         return sampled, logprobs
 
     def _backend_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
-        return self.backend.build_metadata(meta, self.model_config.num_kv_heads, self.dtype)
+        return self.backend.build_metadata(meta, self.num_kv_heads, self.dtype)
 
     def _metadata(self, positions: list[int], query_lens: list[int], seq_lens: list[int],
                   tables: list[list[int]]) -> AttentionMetadata:

@@ -9,6 +9,8 @@ prefix-cache hits would skip positions, so the scheduler does not look up the ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pagedserve.engine.sampler import TokenLogprob
@@ -16,11 +18,13 @@ from pagedserve.engine.sampler import TokenLogprob
 ROWS_PER_SLICE = 256  # bounds the fp32 [rows, vocab] logits held at once
 
 
-def prompt_logprobs(model, hidden: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
-    """hidden [n, H] at positions p..p+n-1; targets = the tokens at p+1..p+n. Chosen logprob + top k each."""
+def prompt_logprobs(logits: Callable[[int, int], torch.Tensor], n: int, targets: list[int],
+                    k: int) -> list[TokenLogprob]:
+    """`logits(lo, hi)`: fp32 logits at positions p+lo..p+hi-1 of n; targets = the tokens at p+1..p+n. Chosen
+    logprob + top k each."""
     out: list[TokenLogprob] = []
-    for lo in range(0, hidden.shape[0], ROWS_PER_SLICE):
-        lp = model.compute_logits(hidden[lo:lo + ROWS_PER_SLICE]).log_softmax(dim=-1)
+    for lo in range(0, n, ROWS_PER_SLICE):
+        lp = logits(lo, min(lo + ROWS_PER_SLICE, n)).log_softmax(dim=-1)
         tgt = torch.tensor(targets[lo:lo + ROWS_PER_SLICE], device=lp.device)
         chosen = lp.gather(1, tgt[:, None]).squeeze(1).tolist()
         if k > 0:

@@ -1,7 +1,10 @@
 """Token embedding: a dense table, or quantized rows (int8 or int4 storage: our per-row int8, or a GGUF's blocks
-as the file holds them) dequantized on lookup."""
+as the file holds them) dequantized on lookup. Under tensor parallelism each rank holds a range of the vocabulary
+(vocab-parallel, as Megatron): ids outside it look up zeros, and one all-reduce sums the ranks' rows."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -12,11 +15,16 @@ from pagedserve.engine.layers.linear import lay_out_int8
 from pagedserve.engine.quant.int4 import Int4Weight
 from pagedserve.engine.quant.int8 import Int8Weight
 
+if TYPE_CHECKING:
+    from pagedserve.engine.parallel.group import TensorParallel
+
 
 class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, dim: int) -> None:
+    def __init__(self, num_embeddings: int, dim: int, tp: TensorParallel | None = None, vocab_start: int = 0) -> None:
+        """`num_embeddings`: the rows held (a rank's share of the vocabulary, from `vocab_start`, under `tp`)."""
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, dim
+        self.tp, self.vocab_start = tp, vocab_start
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(num_embeddings, dim))
         self.qweight: Int8Weight | Int4Weight | None = None
         self.dtype: torch.dtype | None = None  # what quantized rows dequantize to
@@ -33,6 +41,15 @@ class Embedding(nn.Module):
             w.lay_out(device, "panels" if table.cpp and device.type == "cpu" and w.panels_fit() else "codes")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:
+            return self._vocab_parallel(ids)
         if self.qweight is None:
             return F.embedding(ids, self.weight)
         return self.qweight.rows(ids, self.dtype)
+
+    def _vocab_parallel(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        local = local.masked_fill(outside, 0)
+        rows = F.embedding(local, self.weight) if self.qweight is None else self.qweight.rows(local, self.dtype)
+        return self.tp.all_reduce(rows.masked_fill(outside[:, None], 0))

@@ -12,6 +12,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,6 +27,9 @@ from pagedserve.engine.quant import loading as quant_loading
 from pagedserve.engine.quant.gguf_blocks import GGUFBlocks
 from pagedserve.engine.quant.loading import QuantSpec
 from pagedserve.engine.quant.weight import QuantWeight
+
+if TYPE_CHECKING:
+    from pagedserve.engine.parallel.group import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +111,12 @@ def load_config(path: str) -> ModelConfig:
 
 def build_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                 max_positions: int, seed: int = 0, quant: QuantSpec | None = None,
-                table: KernelTable | None = None) -> LlamaModel:
+                table: KernelTable | None = None, tp: TensorParallel | None = None) -> LlamaModel:
     """Materialize the model on `device` and fix its kernels (`table`: the dispatch table, default this machine's).
-    `quant`: quantize projections (and LM head/embeddings) on load; see engine/quant/loading.py."""
+    `quant`: quantize projections (and LM head/embeddings) on load; see engine/quant/loading.py. `tp`: keep only
+    this tensor-parallel rank's shard (each rank reads the whole checkpoint, a GGUF memory-mapped, and slices every
+    tensor as it streams past; quantized formats are quantized whole, then sliced along their groups, so a shard
+    holds exactly the values of the unsplit model)."""
     table = table or kernel_table(device, dtype)
     kind = model_source(path)
     start, resident = time.perf_counter(), resident_bytes()
@@ -117,7 +124,7 @@ def build_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     if quant is not None and quant.format == "auto" and not quantized:
         quant = None  # auto on float weights: dense
     with torch.device("meta"):  # no throw-away default init: every parameter is written below
-        model = LlamaModel(cfg, max_positions).to(dtype)
+        model = LlamaModel(cfg, max_positions, tp).to(dtype)
     if quant is not None and kind != "random":  # before allocation: no dense copy of those weights
         quant_loading.prepare_modules(model, quant, quantized if quant.format == "auto" else None)
     model.to_empty(device=device)
@@ -130,7 +137,8 @@ def build_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     else:
         weights = checkpoint_tensors(path, cfg, raw=quant is not None)
         if quant is not None:
-            group = quant_loading.resolve_group_size(quant, model, kind == "gguf" and gguf_has_q4(path))
+            group = quant_loading.resolve_group_size(quant, model, kind == "gguf" and gguf_has_q4(path),
+                                                     1 if tp is None else tp.size)
             weights = quant_loading.quantized_stream(model, weights, quant, group, dtype, device, table)
         model.load_weights(weights)
     model.eval().requires_grad_(False)

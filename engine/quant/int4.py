@@ -21,7 +21,7 @@ from pagedserve.engine.quant.layouts import (
     to_panels,
     unpack_nibbles,
 )
-from pagedserve.engine.quant.weight import QuantWeight, group_values, grouped
+from pagedserve.engine.quant.weight import QuantWeight, group_values, grouped, narrow_values
 
 TORCH_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes `_weight_int4pack_mm_for_cpu` takes
 VALUES = ("scale", "bias", "scale_d", "bias_d")  # the per-group tensors, laid out beside the codes
@@ -56,6 +56,20 @@ class Int4Weight(QuantWeight):
         scale = (wg.abs().amax(dim=-1) / 7).clamp(min=1e-8).half()  # stored as fp16
         q = torch.round(wg / scale.float()[:, :, None]).clamp(-8, 7) + 8
         return cls(pack_nibbles(q.view(n, k)), scale, None, "int4", group=group)
+
+    def narrow(self, dim: int, start: int, length: int) -> Int4Weight:
+        if self.layout is not None:
+            raise ValueError("narrow an int4 weight before it is laid out")
+        k = self.shape[1]
+        if dim == 0:
+            codes = self.codes[start:start + length]
+        elif start % 2 or length % 2:
+            raise ValueError(f"int4 columns {start}..{start + length}: a byte holds two, so cut at even columns")
+        else:
+            codes = self.codes[:, start // 2:(start + length) // 2]
+        values = [narrow_values(getattr(self, n), dim, start, length, k) for n in VALUES]
+        group = length if dim == 1 and self.group == k else self.group
+        return Int4Weight(codes.clone(), values[0], values[1], self.format, group, *values[2:])
 
     def _values(self, name: str) -> torch.Tensor | None:
         v = getattr(self, name)

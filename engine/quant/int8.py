@@ -26,7 +26,7 @@ from pagedserve.engine.quant.layouts import (
     rows_from_panels,
     rows_to_panels,
 )
-from pagedserve.engine.quant.weight import QuantWeight, group_values
+from pagedserve.engine.quant.weight import QuantWeight, group_values, narrow_values
 
 VALUES = ("scale", "bias", "scale_d", "bias_d")  # the per-group tensors, laid out beside the codes
 
@@ -58,6 +58,16 @@ class Int8Weight(QuantWeight):
     def plain(self) -> bool:
         """A plain scale (fp16/fp32, no bias, no factor): what torch's kernels and `codes_gemm` can apply."""
         return self.bias is None and self.scale_d is None
+
+    def narrow(self, dim: int, start: int, length: int) -> Int8Weight:
+        if self.layout is not None:
+            raise ValueError("narrow an int8 weight before it is laid out")
+        k = self.shape[1]
+        q = self.q[start:start + length] if dim == 0 else self.q[:, start:start + length]
+        values = [narrow_values(getattr(self, n), dim, start, length, k) for n in VALUES]
+        w = Int8Weight(q.clone(), values[0], self.format, *values[1:])
+        w.code_bits = self.code_bits  # a shard keeps the whole matrix's code width (its kernels, its bits)
+        return w
 
     def _values(self, name: str) -> torch.Tensor | None:
         v = getattr(self, name)

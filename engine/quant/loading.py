@@ -86,14 +86,16 @@ def quantize_tensor(t: torch.Tensor | GGUFBlocks, spec: QuantSpec, group: int, e
     return Int8Weight.quantize(t) if embedding or spec.format == "auto" else quantize(t, spec.format, group)
 
 
-def resolve_group_size(spec: QuantSpec, model, gguf_q4: bool) -> int:
-    """int4's group: 32 on a GGUF of Q4 blocks (they map directly), else `default_group_size`. (auto: unused.)"""
+def resolve_group_size(spec: QuantSpec, model, gguf_q4: bool, tp_size: int = 1) -> int:
+    """int4's group: 32 on a GGUF of Q4 blocks (they map directly), else `default_group_size` (of the in-features
+    a tensor-parallel rank holds too: row-parallel shards cut along whole groups). (auto: unused.)"""
     if spec.group_size is not None:
         return spec.group_size
     if gguf_q4 and spec.format == "int4":
         return 32  # llama.cpp's Q4 blocks map onto int4 storage directly
     cfg = model.config
-    return default_group_size([cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size])
+    sizes = [cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size]
+    return default_group_size(sizes + ([sizes[1] // tp_size, sizes[2] // tp_size] if tp_size > 1 else []))
 
 
 def prepare_modules(model, spec: QuantSpec, quantized: set[str] | None = None) -> None:
@@ -146,17 +148,17 @@ def quantized_stream(model, weights: Iterable[tuple[str, torch.Tensor | GGUFBloc
             yield name, t
             continue
         if spec.lm_head and short == "embed_tokens.weight":
-            emb = to_quant(t, embedding=True)
+            emb = model.shard("embed_tokens.weight", to_quant(t, embedding=True))  # a TP rank's vocabulary rows
             model.embed_tokens.quantize_to(emb, dtype)
             if tied:  # one copy serves both where the formats agree (per row, or panels where our kernels run)
                 ours = table.cpp and device.type == "cpu" and emb.panels_fit()
                 same = (auto or spec.head_format == "int8") and (ours or (
                     isinstance(emb, Int8Weight) and emb.plain and emb.group == emb.shape[1]))
-                model.lm_head.quantize_to(emb if same else to_quant(t, head=True))
+                model.lm_head.quantize_to(emb if same else model.shard("lm_head.weight", to_quant(t, head=True)))
             continue
         if short == "lm_head.weight" and spec.lm_head:
             if not tied:
-                model.lm_head.quantize_to(to_quant(t, head=True))
+                model.lm_head.quantize_to(model.shard("lm_head.weight", to_quant(t, head=True)))
             continue
         if len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in PROJECTIONS:
             yield name, to_quant(t)

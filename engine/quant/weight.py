@@ -37,6 +37,12 @@ class QuantWeight(ABC):
     def cat(cls, parts: list[QuantWeight]) -> QuantWeight:
         """Row-concatenate (fused q|k|v, gate|up) before it is laid out."""
 
+    def narrow(self, dim: int, start: int, length: int) -> QuantWeight:
+        """Rows (dim 0) or columns (dim 1) start..start+length as storage of the same format: a tensor-parallel
+        rank's shard, taken before `lay_out`. Columns are cut along the format's groups, so the shard holds
+        exactly the values the whole matrix does."""
+        raise ValueError(f"{self.format} weights cannot be split for tensor parallelism")
+
     def panel_operands(self) -> list[torch.Tensor] | None:
         """What our C++ GEMV (and the fused decode layer) takes, where the format is laid out for it."""
         return None
@@ -68,3 +74,17 @@ def grouped(w: torch.Tensor, group: int) -> torch.Tensor:
     if k % group:
         raise ValueError(f"in-features {k} is not a multiple of the group size {group}")
     return w.float().reshape(n, k // group, group)
+
+
+def narrow_values(v: torch.Tensor | None, dim: int, start: int, length: int, k: int) -> torch.Tensor | None:
+    """The slice of per-group values v [N, G] (or [1, 1] per tensor) for `narrow`: rows as they are; along K,
+    whole groups only (a value per row or per tensor applies to every column, so it is kept whole)."""
+    if v is None or v.shape[dim] == 1:
+        return v
+    if dim == 0:
+        return v[start:start + length].clone()
+    unit = k // v.shape[1]  # weights per value along K
+    if start % unit or length % unit:
+        raise ValueError(f"columns {start}..{start + length} of a {k}-wide weight do not cut along its groups of "
+                         f"{unit}: choose a tensor-parallel size (or group size) that splits whole groups")
+    return v[:, start // unit:(start + length) // unit].clone()

@@ -1,0 +1,113 @@
+"""One rank's view of a tensor-parallel group: its collectives, and which heads, columns and vocabulary rows it holds.
+
+The group is a torch.distributed process group made directly over a TCPStore (gloo on CPU, NCCL on CUDA), not
+the process-wide default group: an engine owns its group, so two engines in one process (tests, benchmarks) do
+not collide, and closing one leaves no global state behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pagedserve.engine.config import ModelConfig
+
+# A collective waits at most this long for a peer: the bound on detecting a hung (not dead) rank. A dead rank's
+# sockets close, so its peers fail at once; this backstop covers a stopped or deadlocked one.
+DEFAULT_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_TP_TIMEOUT_S", "60"))
+
+
+def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
+    """Raise ValueError (one line) where `cfg` cannot be split `size` ways: Megatron splits whole heads."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size == 1:
+        return
+    if cfg.num_heads % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's {cfg.num_heads} attention heads")
+    if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={size} neither divides nor is a multiple of the model's "
+                         f"{cfg.num_kv_heads} KV heads")
+    if cfg.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the MLP's {cfg.intermediate_size} columns")
+
+
+@dataclass(frozen=True)
+class Shares:
+    """What one rank holds of a model: first index and count of its query heads, KV heads, MLP columns, vocab rows."""
+
+    q_start: int
+    q_heads: int
+    kv_start: int
+    kv_heads: int  # a KV head is replicated on size / num_kv_heads ranks where there are fewer than ranks
+    mlp_start: int
+    mlp_size: int
+    vocab_start: int
+    vocab_size: int  # the last rank's may be smaller (ceil split)
+    vocab_per_rank: int
+
+
+class TensorParallel:
+    """Rank `rank` of `size`; collectives over `group` on `device`."""
+
+    def __init__(self, rank: int, size: int, group, device: torch.device) -> None:
+        self.rank, self.size, self.group, self.device = rank, size, group, device
+
+    @classmethod
+    def connect(cls, rank: int, size: int, host: str, port: int, device: torch.device,
+                timeout_s: float = DEFAULT_TIMEOUT_S, connect_timeout_s: float = 300.0) -> TensorParallel:
+        """Join the group: rank 0 hosts the store at host:port, the others connect to it."""
+        store = dist.TCPStore(host, port, size, rank == 0, timeout=datetime.timedelta(seconds=connect_timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            torch.cuda.set_device(device)
+            group = dist.ProcessGroupNCCL(store, rank, size, opts)
+        else:
+            group = dist.ProcessGroupGloo(store, rank, size, timeout)
+        return cls(rank, size, group, device)
+
+    # ---- collectives -------------------------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """Sum (or `op`) over ranks, in place; returns x."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self.group.allreduce([x], opts).wait()
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """Each rank's logits [R, its vocab rows] -> [R, vocab_size] on rank 0 (None on the others)."""
+        per = -(-vocab_size // self.size)
+        if logits.shape[1] < per:  # the last rank's short shard: padded, cut off again below
+            logits = torch.nn.functional.pad(logits, (0, per - logits.shape[1]))
+        logits = logits.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank:
+            self.group.gather([], [logits], opts).wait()
+            return None
+        parts = [torch.empty_like(logits) for _ in range(self.size)]
+        self.group.gather([parts], [logits], opts).wait()
+        return torch.cat(parts, dim=1)[:, :vocab_size]
+
+    # ---- what this rank holds ----------------------------------------------------------------------------
+    def shares(self, cfg: ModelConfig) -> Shares:
+        r, n = self.rank, self.size
+        q = cfg.num_heads // n
+        if cfg.num_kv_heads >= n:
+            kv = cfg.num_kv_heads // n
+            kv_start = r * kv
+        else:  # fewer KV heads than ranks: rank r's query heads all read KV head r // (n / num_kv_heads)
+            kv, kv_start = 1, r // (n // cfg.num_kv_heads)
+        mlp = cfg.intermediate_size // n
+        per = -(-cfg.vocab_size // n)
+        v0 = min(r * per, cfg.vocab_size)
+        return Shares(r * q, q, kv_start, kv, r * mlp, mlp, v0, min(per, cfg.vocab_size - v0), per)
+
+    def __repr__(self) -> str:
+        return f"TensorParallel(rank={self.rank}, size={self.size}, device={self.device})"
