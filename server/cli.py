@@ -43,18 +43,21 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _engine_config(args: argparse.Namespace):
     from pagedserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
-    return EngineConfig(**options(args, EngineConfig), cache=CacheConfig(**options(args, CacheConfig)),
-                        scheduler=SchedulerConfig(**options(args, SchedulerConfig)))
+    try:
+        return EngineConfig(**options(args, EngineConfig), cache=CacheConfig(**options(args, CacheConfig)),
+                            scheduler=SchedulerConfig(**options(args, SchedulerConfig)))
+    except ValueError as e:
+        _fail(str(e))
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from pagedserve.engine.async_engine import AdmissionLimits
-    from pagedserve.engine.errors import ModelLoadError
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.engine.models.loader import load_config
     from pagedserve.engine.models.resolver import resolve_model
+    from pagedserve.engine.parallel.group import check_tensor_parallel
     from pagedserve.server.app import create_app, uvicorn_config
     from pagedserve.server.config import ReplicaConfig, ServerConfig
 
@@ -68,8 +71,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
               "network is trusted")
     try:  # before the port is bound: a model that cannot load ends the process here, with one line
         files = resolve_model(config.model, config.revision, config.gguf_file)
-        load_config(files.path)
-    except (ModelLoadError, FileNotFoundError) as e:
+        check_tensor_parallel(load_config(files.path), config.tensor_parallel_size)
+    except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
     config = dataclasses.replace(config, model=files.path)
     if server.served_model_name is None:
@@ -133,7 +136,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.engine.tokenizer import apply_chat_template
 
-    engine = LLMEngine(_engine_config(args))
+    try:
+        engine = LLMEngine(_engine_config(args))
+    except (ValueError, FileNotFoundError) as e:  # a model that cannot load or be split: one line
+        _fail(str(e))
     tok = engine.tokenizer
     if args.raw or tok is None or not getattr(tok, "chat_template", None):
         prompt = args.prompt

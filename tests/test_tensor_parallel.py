@@ -1,0 +1,271 @@
+"""Tensor parallelism on the CPU over gloo, with real spawned worker ranks: the split model serves what the whole one
+does (greedy tokens equal, logprobs within 1e-4 in fp32), the scheduler's features are unchanged, quantized shards
+hold the whole matrix's values, and a dead rank ends the engine with a clear error instead of a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from conftest import compare_greedy, greedy
+
+from pagedserve.engine import LLMEngine, SamplingParams, make_config
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.config import ModelConfig
+from pagedserve.engine.models.loader import RANDOM_SHAPES
+from pagedserve.engine.parallel.group import check_tensor_parallel
+from pagedserve.engine.parallel.workers import WorkerFailedError
+from pagedserve.engine.quant.formats import quantize
+
+LOGPROB_TOL = 1e-4  # fp32: only the all-reduce's summation order differs from the unsplit model
+BOUND_S = 60.0  # a failure must end the engine within this (a dead rank's sockets close: it is seconds in practice)
+
+
+def engine(model: str = "random:tiny", tp: int = 1, **kwargs) -> LLMEngine:
+    kwargs.setdefault("num_blocks", 64)
+    return LLMEngine(make_config(model=model, dtype="float32", device="cpu", tensor_parallel_size=tp, **kwargs))
+
+
+def generate(eng: LLMEngine, prompts: list, params) -> dict[str, dict]:
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    out: dict[str, dict] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            r = out.setdefault(o.request_id, {"tokens": [], "logprobs": []})
+            r["tokens"] += o.new_token_ids
+            r["logprobs"] += o.logprobs
+    return out
+
+
+def assert_same(ours: dict, ref: dict, where: str) -> None:
+    """Greedy tokens equal (a divergence only at a genuine near-tie), logprobs within LOGPROB_TOL up to there."""
+    assert ours.keys() == ref.keys()
+    for rid in ref:
+        a, b = ours[rid], ref[rid]
+        result = compare_greedy(a["tokens"], b["tokens"], a["logprobs"])
+        n = len(a["tokens"]) if result == "equal" else next(
+            i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y)
+        assert n > 0, f"{where} {rid}: nothing to compare"
+        diff = max(abs(x.logprob - y.logprob) for x, y in zip(a["logprobs"][:n], b["logprobs"][:n]))
+        assert diff <= LOGPROB_TOL, f"{where} {rid}: logprobs differ by {diff:.2e}"
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [100, 37, 250, 9], list(range(300, 340))]
+
+
+@pytest.fixture(scope="module")
+def tiny_reference() -> dict:
+    eng = engine()
+    return generate(eng, PROMPTS, greedy(64))
+
+
+def test_tiny_model_at_tp2_matches_tp1(tiny_reference):
+    eng = engine(tp=2)
+    try:
+        assert eng.runner.num_kv_heads == 1 and eng.runner.model.layers[0].self_attn.num_heads == 2
+        assert eng.runner.fused is None  # the fused decode layer has no all-reduce inside
+        assert_same(generate(eng, PROMPTS, greedy(64)), tiny_reference, "tp=2")
+        procs = eng.workers.procs
+    finally:
+        eng.close()
+    assert not any(p.is_alive() for p in procs), "workers outlived close()"
+
+
+@pytest.mark.slow
+def test_kv_heads_replicated_when_fewer_than_ranks(tiny_reference):
+    """4 ranks over 2 KV heads: each KV head on two ranks, each rank one query head."""
+    eng = engine(tp=4)
+    try:
+        assert eng.runner.num_kv_heads == 1 and eng.runner.model.layers[0].self_attn.num_heads == 1
+        assert_same(generate(eng, PROMPTS, greedy(64)), tiny_reference, "tp=4")
+    finally:
+        eng.close()
+
+
+@pytest.mark.slow
+def test_smollm2_at_tp3_matches_tp1(smollm, make_engine):
+    """9 heads and 3 KV heads over 3 ranks, fp32: the bundled model's greedy text is the unsplit one's."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+    ref = generate(make_engine(), prompts, greedy(64))
+    eng = engine(smollm.path, tp=3, quantization="none", num_blocks=256)
+    try:
+        assert eng.runner.num_kv_heads == 1 and eng.runner.model.layers[0].self_attn.num_heads == 3
+        assert_same(generate(eng, prompts, greedy(64)), ref, "smollm2 tp=3")
+    finally:
+        eng.close()
+
+
+def test_prefix_caching_preemption_and_speculation_unchanged():
+    """A small KV cache (preemptions), prompts sharing two blocks (prefix hits), n-gram drafts (verification):
+    the same greedy tokens and the same counters at TP=2 as at TP=1."""
+    shared = list(range(10, 42))
+    prompts = [shared + [50 + i, 60 + i, 70 + i] * 4 for i in range(4)]
+    params = greedy(40, logprobs=None)  # requests that ask for logprobs do not speculate
+    kwargs = dict(num_blocks=14, speculative_method="ngram", num_speculative_tokens=3, max_num_seqs=4)
+    results, stats = [], []
+    for tp in (1, 2):
+        eng = engine(tp=tp, **kwargs)
+        eng.speculator.adaptive = False  # always draft
+        try:
+            results.append(generate(eng, prompts, params))
+            s = eng.stats()
+            stats.append((s.num_preemptions, s.prefix_cache_hits, s.spec_decode.num_draft_tokens,
+                          s.spec_decode.num_accepted_tokens))
+        finally:
+            eng.close()
+    assert {r: o["tokens"] for r, o in results[1].items()} == {r: o["tokens"] for r, o in results[0].items()}
+    preemptions, hits, drafted, _ = stats[0]
+    assert preemptions > 0 and hits > 0 and drafted > 0, stats[0]
+    assert stats[1] == stats[0]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_at_tp2_matches_tp1(tiny_hf_dir, quantization):
+    """A real checkpoint quantized on load: whole, then narrowed along its groups, so TP=2 serves TP=1's values."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [100, 37, 250, 9]]
+    outs = []
+    for tp in (1, 2):
+        eng = engine(str(tiny_hf_dir), tp=tp, quantization=quantization, quant_group_size=32)
+        try:
+            proj = eng.runner.model.layers[0].self_attn.o_proj
+            assert proj.qweight is not None and proj.qweight.format == quantization
+            outs.append(generate(eng, prompts, greedy(64)))
+        finally:
+            eng.close()
+    assert_same(outs[1], outs[0], f"{quantization} tp=2")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int8-tensor", "int4-tensor"])
+def test_quantized_weights_narrow_along_their_groups(fmt):
+    torch.manual_seed(0)
+    w = torch.randn(64, 128)
+    qw = quantize(w, fmt, 32)
+    whole = qw.dequantize()
+    assert torch.equal(qw.narrow(0, 16, 32).dequantize(), whole[16:48])
+    assert torch.equal(qw.narrow(1, 64, 64).dequantize(), whole[:, 64:])
+    if fmt == "int4":
+        with pytest.raises(ValueError, match="groups of 32"):
+            qw.narrow(1, 16, 64)
+
+
+def test_bad_splits_are_refused_with_one_line():
+    tiny = ModelConfig(**RANDOM_SHAPES["tiny"])  # 4 heads, 2 KV heads
+    check_tensor_parallel(tiny, 4)
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+        check_tensor_parallel(tiny, 3)
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+        check_tensor_parallel(tiny, 8)
+    smol = ModelConfig(**RANDOM_SHAPES["smollm2-135m"])  # 9 heads, 3 KV heads
+    with pytest.raises(ValueError, match="9 attention heads"):
+        check_tensor_parallel(smol, 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        make_config(model="random:tiny", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="names 3 CPU lists"):
+        make_config(model="random:tiny", tensor_parallel_size=2, cpu_bind="0|1|2")
+    with pytest.raises(ValueError, match="does not divide"):
+        engine(tp=3)
+    cli = subprocess.run([sys.executable, "-m", "pagedserve.server.cli", "generate", "--model", "random:tiny",
+                          "--device", "cpu", "--tensor-parallel-size", "3", "hi"], capture_output=True, text=True,
+                         timeout=120)
+    assert cli.returncode == 1
+    assert cli.stderr.strip().splitlines()[-1] == \
+        "pagedserve: error: tensor_parallel_size=3 does not divide the model's 4 attention heads"
+
+
+def _in_thread(fn, timeout: float):
+    """Run fn in a thread; return what it raised (or returned). Fails if it has not ended within `timeout`."""
+    box: list = []
+
+    def target():
+        try:
+            box.append(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box.append(e)
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"still running after {timeout} s: a hang"
+    return box[0]
+
+
+def test_killed_worker_fails_the_next_step_cleanly():
+    eng = engine(tp=2)
+    try:
+        generate(eng, PROMPTS[:1], greedy(4))
+        pid = eng.workers.procs[0].pid
+        os.kill(pid, signal.SIGKILL)
+        eng.add_request("after", PROMPTS[0], greedy(8))
+        err = _in_thread(lambda: [eng.step() for _ in range(8)], BOUND_S)
+        assert isinstance(err, WorkerFailedError), err
+        assert f"rank 1 (pid {pid}) was killed by signal 9" in str(err)
+        with pytest.raises(WorkerFailedError):  # and it stays failed
+            eng.step()
+    finally:
+        eng.close()
+
+
+def test_killed_worker_fails_mid_decode_and_an_idle_server_notices():
+    """A worker killed while rank 0 waits in a collective: the step raises (no hang); and an AsyncEngine (the
+    server's loop, whose `alive` /health reads) stops when a worker dies while it is idle."""
+    eng = engine(tp=2)
+    try:
+        eng.add_request("long", PROMPTS[0], SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
+        eng.step()
+        pid = eng.workers.procs[0].pid
+        threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
+        err = _in_thread(lambda: [eng.step() for _ in range(100000)], BOUND_S)
+        assert isinstance(err, WorkerFailedError) and f"pid {pid}" in str(err), err
+    finally:
+        eng.close()
+
+    eng = engine(tp=2)
+    loop = asyncio.new_event_loop()
+    aeng = AsyncEngine(eng)
+    try:
+        aeng.start(loop)
+        assert aeng.alive
+        os.kill(eng.workers.procs[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + BOUND_S
+        while aeng.alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not aeng.alive and isinstance(aeng.error, WorkerFailedError)
+    finally:
+        aeng.shutdown()
+        eng.close()
+        loop.close()
+
+
+def test_workers_exit_when_rank0_dies():
+    script = ("from pagedserve.engine import LLMEngine, make_config\n"
+              "import os, sys\n"
+              "if __name__ == '__main__':\n"
+              "    e = LLMEngine(make_config(model='random:tiny', device='cpu', dtype='float32', num_blocks=16,"
+              " tensor_parallel_size=2))\n"
+              "    print(*[p.pid for p in e.workers.procs], flush=True)\n"
+              "    os.kill(os.getpid(), 9)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 1
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), "a worker outlived its rank 0"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
