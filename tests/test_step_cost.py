@@ -72,10 +72,10 @@ def test_time_budget_chunks_prefill_next_to_decodes():
 
 
 def test_default_target_is_sized_by_the_batch_a_burst_heads_for():
-    """One stream decoding and twenty prompts waiting: the target is twice a decode step of all 21, not of the one
+    """One stream decoding and twenty prompts waiting: the target is a multiple of a decode step of all 21, not of one
     (which would leave the prompts a sliver); an explicit target is kept to, down to MIN_PREFILL_TOKENS."""
     coef = [10.0, 0.5, 1.0, 0.0]
-    for target, chunk in ((None, int((2 * (10 + 21) - 11) / 0.5)), (22.0, MIN_PREFILL_TOKENS)):
+    for target, chunk in ((None, int((DEFAULT_TARGET_FACTOR * (10 + 21) - 11) / 0.5)), (22.0, MIN_PREFILL_TOKENS)):
         s = Scheduler(SchedulerConfig(max_num_batched_tokens=2048, max_step_ms=target), BlockManager(1024, 16, True),
                       fitted(coef))
         s.add(Sequence(0, "d", [1, 2], SamplingParams(max_tokens=50), 50, frozenset({EOS})))
