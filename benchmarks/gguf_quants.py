@@ -23,6 +23,8 @@ from pagedserve.benchmarks import common
 
 SHAPES = {  # llama-architecture shapes whose matrices all tile by 256 (K-quant super-blocks)
     "tinyllama-1.1b": dict(vocab=32000, hidden=2048, inter=5632, layers=22, heads=32, kv_heads=4),
+    # Llama-3.2-1B's layers at SmolLM2's vocabulary, so the bundled tokenizer can drive it (--tokenizer)
+    "llama-3.2-1b-smolvocab": dict(vocab=49152, hidden=2048, inter=8192, layers=16, heads=32, kv_heads=8),
     "tiny": dict(vocab=512, hidden=256, inter=512, layers=2, heads=4, kv_heads=2),
 }
 # a typical |weight| of ~0.02 from random codes: each type's fp16 factors drawn at this scale
@@ -56,8 +58,8 @@ def llama_cpp_type(name: str, ftype: str, layer: int, layers: int) -> str:
         return ftype
     if name == "output.weight":
         return "Q6_K"
-    if ftype == "Q4_0":
-        return "Q4_0"
+    if ftype in ("Q4_0", "Q4_1"):
+        return ftype
     base = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}[ftype]
     if (name.endswith("attn_v.weight") or name.endswith("ffn_down.weight")) and _more_bits(layer, layers):
         return "Q6_K"

@@ -73,6 +73,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, limits: AdmissionLimits | None = None,
                  on_outputs: Callable[[list[RequestOutput]], None] | None = None) -> None:
         self.engine = engine
+        engine.warm_up()  # before any request can arrive: its steps are the engine's own
         self.limits = limits or AdmissionLimits()
         self.on_outputs = on_outputs  # metrics hook, called on the event loop
         self.error: BaseException | None = None

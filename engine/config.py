@@ -157,10 +157,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = opt(2048, "token budget per step")
     policy: str = opt("continuous", "continuous, or static (a fixed batch runs until its longest member ends)",
                       choices=("continuous", "static"))
-    max_step_ms: float | None = opt(None, "step-time target in ms: prefill chunks are sized by the measured step-cost "
-                                          "model to keep steps under it (default: twice the running decodes' own "
-                                          "cost, with room for at least 512 prompt tokens; 0: off, token budget "
-                                          "only; the offline LLM class defaults to 0)")
+    max_step_ms: float | None = opt(None, "step-time target in ms, the longest a running stream should wait for its "
+                                          "next token: prefill chunks are sized by the measured step-cost model to "
+                                          "keep steps under it (default: 5x what a decode step of every admitted "
+                                          "and waiting request costs; 0: off, token budget only; the offline LLM "
+                                          "class defaults to 0)")
 
     def __post_init__(self) -> None:
         if self.policy not in ("continuous", "static"):

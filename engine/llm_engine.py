@@ -27,7 +27,7 @@ from pagedserve.engine.output_processor import OutputProcessor, RequestOutput, R
 from pagedserve.engine.quant.loading import QuantSpec
 from pagedserve.engine.sampler import SampleRequest
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.scheduler import Scheduler, SchedulerStats
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.snapshot import EngineSnapshot, StepRecord
 from pagedserve.engine.snapshot import take as take_snapshot
@@ -37,6 +37,11 @@ from pagedserve.engine.structured import StructuredOutputs
 from pagedserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+# Prompt lengths of the start-up steps: prefill chunks of several sizes beside 0..7 decodes
+WARM_UP_PROMPTS = (24, 96, 40, 160, 8, 64, 128, 16)
+WARM_UP_BATCH = 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +161,36 @@ class LLMEngine:
         """Stop the tensor-parallel workers (nothing to do without them). The engine cannot step afterwards."""
         if self.workers is not None:
             self.workers.close()
+
+    def warm_up(self) -> None:
+        """Time a few steps of varied shape before serving: the step-cost model is then fitted before the first
+        burst (unfitted, it cannot bound a step's prefill in time, and a burst's first streams waited behind whole
+        2048-token steps), and the kernels' first calls are paid. The counters are reset; no block stays held.
+        Only for engines that size prefill by time (the offline LLM does not)."""
+        sched = self.config.scheduler
+        if sched.max_step_ms == 0 or sched.policy != "continuous":
+            return
+        t0 = time.perf_counter()
+        vocab = self.model_config.vocab_size
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        lengths = [n for n in WARM_UP_PROMPTS if n < self.max_model_len]
+        for rep in range(2):  # the first pass pays the kernels' first calls, the second is what the model keeps
+            self.cost_model.reset()
+            prompts = [[(7919 * i + 31 * j + rep) % vocab for j in range(n)] for i, n in enumerate(lengths)]
+            for i, ids in enumerate(prompts):  # one prompt a step beside the decodes of the earlier ones
+                self.add_request(f"warm-up-{rep}-{i}", ids, params)
+                self.step()
+            # then a batch on the longest prompt (cached by now) with short tails of their own: decode steps of
+            # many sequences with long contexts, at the price of a few prefill tokens each
+            longest = max(prompts, key=len)
+            for i in range(WARM_UP_BATCH):
+                self.add_request(f"warm-up-{rep}-b{i}", longest + [(104729 * i + 17 * j) % vocab for j in range(8)],
+                                 params)
+            while self.has_unfinished():
+                self.step()
+        self.scheduler.stats = SchedulerStats()
+        self.num_steps, self.last_step = 0, None
+        logger.info("warmed up in %.1fs; %s", time.perf_counter() - t0, self.cost_model.describe())
 
     # ---- requests -----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -10,10 +10,11 @@ waits behind it. Nobody overtakes the head of the queue when it does not fit.
 A sequence's share is `min(num_tokens - num_computed_tokens, budget left)`, so long prompts are prefilled
 in chunks and prefill and decode share a step. Prefill tokens also have a time budget: with a fitted
 step-cost model (engine/step_cost.py) a step takes only as many as fit in the step-time target next to
-its decodes, but always at least MIN_PREFILL_TOKENS, oldest prompt first, so no prompt starves (a running
-prompt that finds the time budget spent sits the step out). When blocks run out the newest running
-sequence is preempted (blocks freed, recomputed later ahead of every request not yet started); nothing
-new is admitted that step. Pure Python: tested without a model.
+its decodes (the target is what a running stream waits for its next token: by default a multiple of what a
+decode step of every admitted and waiting sequence will cost), but always at least MIN_PREFILL_TOKENS, oldest
+prompt first, so no prompt starves (a running prompt that finds the time budget spent sits the step out).
+When blocks run out the newest running sequence is preempted (blocks freed, recomputed later ahead of every
+request not yet started); nothing new is admitted that step. Pure Python: tested without a model.
 """
 
 from __future__ import annotations
@@ -28,11 +29,6 @@ from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.step_cost import StepCostModel
 
 MIN_PREFILL_TOKENS = 32  # per step, whatever the time target: prompts always advance
-# ... and with the default target (twice the decodes' cost), at least this many: with few streams running,
-# twice their cost is a sliver of a step, and prompts arriving in a burst crawled in through it (time to first
-# token rose steeply; benchmarks/serve_step_target.py, figures in docs/performance.md). 512 tokens is a
-# GEMM-efficient chunk (what one takes: docs/performance.md).
-DEFAULT_MIN_PREFILL_TOKENS = 512
 # A deadline's prefill estimate before the cost model has timed any prefill: a CPU's order of magnitude
 DEFAULT_PREFILL_MS_PER_TOKEN = 1.0
 
@@ -178,9 +174,15 @@ class Scheduler:
         if self.cost_model is None or target == 0 or self.config.policy != "continuous":
             return unlimited
         decodes = [s.num_tokens for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        if target is None:
+            if not decodes:
+                return unlimited  # no stream is waiting for a token: nothing to protect
+            # Sized by the batch this burst is heading for, not by the few streams running yet: with two
+            # running, twice their cost is a sliver, and a burst's prompts would crawl in behind them.
+            batch = self.running + self.waiting[:max(0, self.config.max_num_seqs - len(self.running))]
+            target = self.cost_model.default_target_ms(len(batch), sum(s.num_tokens for s in batch))
         fit = self.cost_model.prefill_tokens_within(target, len(decodes), sum(decodes))
-        floor = DEFAULT_MIN_PREFILL_TOKENS if target is None else MIN_PREFILL_TOKENS
-        return unlimited if fit is None else max(fit, floor)
+        return unlimited if fit is None else max(fit, MIN_PREFILL_TOKENS)
 
     def _may_admit(self) -> bool:
         # static batching: a new batch forms only when the previous one has fully drained

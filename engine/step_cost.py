@@ -9,10 +9,11 @@ question: how many prefill tokens fit in this step's time target next to these d
 decoding asks what one more token costs next to a batch of decodes (a draft token being verified is a
 multi-token query like a prompt chunk, so it costs `per_prefill_token`).
 
-The default target (`max_step_ms` unset) is twice the predicted cost of the step's decodes alone, so a
-running stream at most about doubles its inter-token time while prompts are admitted, and prompts still
-get half of every step (and never less than the scheduler's DEFAULT_MIN_PREFILL_TOKENS). With no decodes
-running there is nothing to protect and the token budget rules.
+The default target (`max_step_ms` unset) is DEFAULT_TARGET_FACTOR times the predicted cost of a decode step of
+every sequence the scheduler holds (running and waiting, up to its batch limit): the inter-token time the
+streams will see anyway once the prompts are in. A running stream's wait for its next token stays within that
+multiple while a burst's prompts are prefilled, and the prompts get the rest of every step. The scheduler
+applies it only while some stream is decoding (otherwise the token budget rules).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ FEATURES = ("fixed", "prefill_tokens", "decode_seqs", "context_tokens")
 MIN_SAMPLES = 8  # fitted only after this many timed steps, some with prefill, some without
 WINDOW = 256
 HALF_LIFE = 64  # steps: older samples weigh half as much
-DEFAULT_TARGET_FACTOR = 2.0
+DEFAULT_TARGET_FACTOR = 5.0  # p99 TPOT within ~3x p50 in a burst, TTFT near a token-budget step's (docs/performance.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,11 @@ class StepCostModel:
     def __init__(self) -> None:
         self._samples: deque[tuple[list[float], float]] = deque(maxlen=WINDOW)
         self.coef: np.ndarray | None = None
+        self._since_fit = 0
+
+    def reset(self) -> None:
+        self._samples.clear()
+        self.coef = None
         self._since_fit = 0
 
     def observe(self, shape: StepShape, ms: float) -> None:
@@ -95,16 +101,17 @@ class StepCostModel:
     def predict(self, shape: StepShape) -> float | None:
         return None if self.coef is None else float(np.dot(self.coef, shape.row()))
 
+    def default_target_ms(self, decode_seqs: int, context_tokens: int) -> float | None:
+        """The step-time target when none is set: DEFAULT_TARGET_FACTOR x a decode step of this batch."""
+        base = self.predict(StepShape(0, decode_seqs, context_tokens))
+        return None if base is None else DEFAULT_TARGET_FACTOR * base
+
     def prefill_tokens_within(self, target_ms: float | None, decode_seqs: int, context_tokens: int) -> int | None:
         """Most prefill tokens a step with these decodes can take and stay under target_ms (None: no limit
-        known). target_ms None means the default: DEFAULT_TARGET_FACTOR x the decodes' own cost."""
-        if self.coef is None:
+        known)."""
+        if self.coef is None or target_ms is None:
             return None
         base = self.predict(StepShape(0, decode_seqs, context_tokens))
-        if target_ms is None:
-            if decode_seqs == 0:
-                return None
-            target_ms = DEFAULT_TARGET_FACTOR * base
         return max(0, int((target_ms - base) / self.coef[1]))
 
     def extra_token_cost(self, decode_seqs: int, context_tokens: int) -> float | None:

@@ -54,7 +54,8 @@ def cluster(smollm):
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = make_config(model=smollm.path, dtype="float32", device="cpu", num_blocks=256, max_num_seqs=8)
+        config = make_config(model=smollm.path, dtype="float32", quantization="none", device="cpu", num_blocks=256,
+                             max_num_seqs=8)  # dense, as make_engine: outputs compare exactly
         server = ServerConfig(MODEL, AdmissionLimits(max_waiting_requests=4), port=port)
         serve.run(build_app(config, server, ReplicaConfig(replicas=2, threads=1, health_check_period_s=1.0)),
                   name="pagedserve", route_prefix="/", blocking=False)

@@ -11,7 +11,7 @@ from test_scheduler import step
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import DEFAULT_MIN_PREFILL_TOKENS, MIN_PREFILL_TOKENS, Scheduler
+from pagedserve.engine.scheduler import MIN_PREFILL_TOKENS, Scheduler
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.step_cost import DEFAULT_TARGET_FACTOR, StepCostModel, StepShape
 
@@ -50,8 +50,9 @@ def test_prefill_tokens_within_target():
     model = fitted([2.0, 0.1, 0.5, 0.01])  # decodes: 2 + 0.5 * 10 + 0.01 * 1000 = 17 ms
     assert model.prefill_tokens_within(57.0, 10, 1000) == 400
     assert model.prefill_tokens_within(10.0, 10, 1000) == 0  # the decodes alone exceed it
-    assert model.prefill_tokens_within(None, 10, 1000) == int((DEFAULT_TARGET_FACTOR - 1) * 17 / 0.1)
-    assert model.prefill_tokens_within(None, 0, 0) is None  # no decodes to protect: the token budget rules
+    assert model.prefill_tokens_within(None, 10, 1000) is None  # no target: no limit
+    assert model.default_target_ms(10, 1000) == DEFAULT_TARGET_FACTOR * 17
+    assert StepCostModel().default_target_ms(10, 1000) is None  # nothing measured
 
 
 def test_time_budget_chunks_prefill_next_to_decodes():
@@ -70,16 +71,19 @@ def test_time_budget_chunks_prefill_next_to_decodes():
     assert sorted(out.num_new_tokens) == [1] * 10 + [100]
 
 
-def test_default_target_leaves_prompts_a_full_chunk_next_to_few_decodes():
-    """Twice one decode's cost is ~no prefill at all: the default target still gives prompts 512 tokens."""
-    for target, chunk in ((None, DEFAULT_MIN_PREFILL_TOKENS), (22.0, MIN_PREFILL_TOKENS)):
+def test_default_target_is_sized_by_the_batch_a_burst_heads_for():
+    """One stream decoding and twenty prompts waiting: the target is a multiple of a decode step of all 21, not of one
+    (which would leave the prompts a sliver); an explicit target is kept to, down to MIN_PREFILL_TOKENS."""
+    coef = [10.0, 0.5, 1.0, 0.0]
+    for target, chunk in ((None, int((DEFAULT_TARGET_FACTOR * (10 + 21) - 11) / 0.5)), (22.0, MIN_PREFILL_TOKENS)):
         s = Scheduler(SchedulerConfig(max_num_batched_tokens=2048, max_step_ms=target), BlockManager(1024, 16, True),
-                      fitted([10.0, 0.5, 1.0, 0.0]))
+                      fitted(coef))
         s.add(Sequence(0, "d", [1, 2], SamplingParams(max_tokens=50), 50, frozenset({EOS})))
         step(s)
-        s.add(Sequence(1, "long", list(range(1, 3001)), SamplingParams(max_tokens=2), 2, frozenset({EOS})))
-        out = step(s)  # the decode alone costs 11 ms: 2x that leaves 22 tokens; an explicit 22 ms is kept to
-        assert out.num_new_tokens == [1, chunk]
+        for i in range(20):
+            s.add(Sequence(1 + i, f"p{i}", list(range(1, 301)), SamplingParams(max_tokens=2), 2, frozenset({EOS})))
+        out = step(s)  # the decode alone costs 11 ms
+        assert out.num_new_tokens[0] == 1 and sum(out.num_new_tokens[1:]) == chunk
 
 
 @settings(max_examples=60, deadline=None)
@@ -106,8 +110,12 @@ def test_time_budget_keeps_the_scheduler_invariants(ops, num_blocks, block_size,
 
     def checked_step():
         decodes = [q.num_tokens for q in s.running if q.num_tokens - q.num_computed_tokens == 1]
-        fit = model.prefill_tokens_within(target, len(decodes), sum(decodes))
-        limit = budget if fit is None else max(fit, MIN_PREFILL_TOKENS if target else DEFAULT_MIN_PREFILL_TOKENS)
+        goal = target
+        if target is None and decodes:
+            batch = s.running + s.waiting[:max(0, max_num_seqs - len(s.running))]
+            goal = model.default_target_ms(len(batch), sum(q.num_tokens for q in batch))
+        fit = model.prefill_tokens_within(goal, len(decodes), sum(decodes))
+        limit = budget if fit is None else max(fit, MIN_PREFILL_TOKENS)
         oldest_prefill = next((q for q in s.running if q.num_tokens - q.num_computed_tokens > 1), None)
         out = step(s, token)
         assert sum(out.num_new_tokens) <= budget and len(out.seqs) <= max_num_seqs
@@ -136,3 +144,17 @@ def test_offline_llm_turns_the_step_time_target_off(monkeypatch):
     llm_module.LLM(max_step_ms=None)
     llm_module.LLM(max_step_ms=50.0)
     assert [c.scheduler.max_step_ms for c in seen] == [0, 0, 50.0]
+
+
+def test_a_serving_engine_is_fitted_before_its_first_request(make_engine):
+    """warm_up times steps of varied shape so the first burst is sized by time; it leaves nothing behind."""
+    engine = make_engine()
+    assert engine.cost_model.coef is None
+    engine.warm_up()
+    assert engine.cost_model.coef is not None and engine.cost_model.coef[1] > 0
+    assert not engine.has_unfinished() and engine.block_manager.usage() == 0.0
+    assert engine.num_steps == 0 and engine.scheduler.stats.generation_tokens == 0
+    assert engine.stats().prefix_cache_queries == 0
+    offline = make_engine(max_step_ms=0)
+    offline.warm_up()  # sizes nothing by time: nothing to fit
+    assert offline.cost_model.coef is None and offline.num_steps == 0
