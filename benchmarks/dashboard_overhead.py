@@ -34,13 +34,11 @@ POLL_PERIOD_S = 0.2  # 5 Hz
 
 
 def cpu_flags() -> str:
-    """The flags that pick the CPU kernels' paths, as `grep -o -w -E '...' /proc/cpuinfo | sort -u` prints them."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            words = set(f.read().split())
-    except OSError:
-        return "?"
-    return " ".join(sorted(w for w in ("avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if w in words)) or "none"
+    """The flags that pick the CPU kernels' paths (engine/machine.py reads them)."""
+    from pagedserve.engine.machine import REPORTED_FLAGS, cpu
+
+    have = cpu().flags
+    return "?" if have is None else " ".join(f for f in REPORTED_FLAGS if f in have) or "none"
 
 
 # The dashboard, in its own small process (httpx only: no torch import competing with the run): GETs the URL every

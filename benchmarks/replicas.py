@@ -20,7 +20,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import threading
 import time
 
@@ -28,6 +27,7 @@ import httpx
 
 from pagedserve.benchmarks.common import parser, table, write_json
 from pagedserve.benchmarks.metrics import percentile
+from pagedserve.engine.machine import REPORTED_FLAGS, cpu
 
 TOPICS = ["astronomy", "cooking", "tax law", "sailing", "chess", "botany", "jazz", "volcanoes"]
 
@@ -139,8 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     config = make_config(model=model, dtype="float32", device="cpu")
     server = ServerConfig("bench")
     requests = workload(args.prompts, args.per_prompt, args.system_words)
-    flags = subprocess.run("grep -o -w -E 'avx512f|avx512_vnni|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u",
-                           shell=True, capture_output=True, text=True).stdout.split()
+    flags = sorted(f for f in REPORTED_FLAGS if f in (cpu().flags or ()))
     results: dict[str, dict] = {}
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     port = free_port()
