@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as _dt
-import ipaddress
 import json
 import math
 import os
@@ -38,6 +37,7 @@ from pagedserve.benchmarks.metrics import (
     find_knee,
     format_table,
 )
+from pagedserve.server.connections import is_loopback
 
 WORKLOADS = ("random", "prose", "prefix", "nano-vllm")
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -149,14 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--plot", default=None, metavar="PATH", help="PNG of latency percentiles vs throughput")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
-
-
-def is_loopback(host: str) -> bool:
-    """Literal loopback addresses and `localhost` only: no DNS lookup decides what we may load."""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def check_base_url(url: str, allow_remote: bool) -> str:

@@ -60,12 +60,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from pagedserve.engine.parallel.group import check_tensor_parallel
     from pagedserve.server.app import create_app, uvicorn_config
     from pagedserve.server.config import ReplicaConfig, ServerConfig
+    from pagedserve.server.connections import is_loopback
 
     config = _engine_config(args)
     server = ServerConfig(**options(args, ServerConfig), limits=AdmissionLimits(**options(args, AdmissionLimits)))
     if server.api_key is None and os.environ.get("PAGEDSERVE_API_KEY"):  # keeps the key out of `ps`
         server = dataclasses.replace(server, api_key=os.environ["PAGEDSERVE_API_KEY"])
-    if not server.api_keys() and not _is_loopback(server.host) and not server.allow_insecure_no_auth:
+    if not server.api_keys() and not is_loopback(server.host) and not server.allow_insecure_no_auth:
         _fail(f"refusing to serve on {server.host} without an API key: anyone who can reach it could use the model "
               "and read the metrics. Set --api-key (or PAGEDSERVE_API_KEY), or pass --allow-insecure-no-auth if the "
               "network is trusted")
@@ -118,17 +119,6 @@ def _raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError):
             pass
-
-
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to anything
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

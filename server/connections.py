@@ -15,12 +15,22 @@ uvicorn alone has no header deadline (its keep-alive timer starts after a first 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import time
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedserve.server.protocol import error_body
+
+
+def is_loopback(host: str) -> bool:
+    """Literal loopback addresses and `localhost` only: no DNS lookup decides whether a server may run without
+    an API key or a benchmark may load a host (a name may resolve to anything)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 RETRY_AFTER_S = 1  # a refused connection may retry at once: idle ones are reaped as they expire
 
