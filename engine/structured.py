@@ -107,11 +107,7 @@ class GrammarMatcher:
         for t in output_token_ids:
             self.accept(t)
 
-    # ---- speculative decoding: check a draft, then roll back what the verifier rejected -------------
-    def validate_draft(self, token_ids: list[int]) -> int:
-        """How many leading draft tokens the grammar allows from the current state (state unchanged)."""
-        return self.matcher.validate_tokens(token_ids)
-
+    # ---- speculative decoding: roll back what the verifier rejected ---------------------------------------
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
