@@ -1,10 +1,11 @@
 """The project's C++ CPU kernels (engine/csrc/*.cpp), built once into one torch extension.
 
 Compiled on first use with g++ -march=native (torch's cpp_extension + ninja) into a cache directory keyed by
-everything the build depends on (sources, headers, flags, torch and Python versions, the CPU), so later starts
-load it at once. If the build fails, `load()` logs a warning and returns False, and every layer keeps its
-PyTorch path; with PAGEDSERVE_REQUIRE_KERNELS=1 (the test suite, CI) a failed build raises instead, so a broken
-kernel can never pass as a skipped one.
+everything the build depends on (sources, headers, flags, torch's version and location, Python's version, the
+CPU), so later starts load it at once and two environments never take turns rebuilding one directory. If the
+build fails, `load()` logs a warning and returns False, and every layer keeps its PyTorch path; with
+PAGEDSERVE_REQUIRE_KERNELS=1 (the test suite, CI) a failed build raises instead, so a broken kernel can never
+pass as a skipped one.
 
 Ops registered (torch.ops.pagedserve.*): paged_attention; dense_linear; int8_linear, int4_linear, int8_gemm,
 int4_gemm; rms_norm, add_rms_norm, rope_, silu_and_mul; decode_layer.
@@ -12,6 +13,7 @@ int4_gemm; rms_norm, add_rms_norm, rope_, silu_and_mul; decode_layer.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -46,7 +48,9 @@ def build_key(cflags: list[str] | None = None) -> str:
     sources = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
     machine = cpu()
     parts = [p.name + "\0" + p.read_text() for p in sources]
-    parts += [torch.__version__, sys.version, *(cflags or CFLAGS), *LDFLAGS, machine.model,
+    # torch's location: build.ninja names its include directories, and ninja rebuilds when that file changes
+    parts += [torch.__version__, os.path.dirname(torch.__file__), sys.version, *(cflags or CFLAGS), *LDFLAGS,
+              machine.model,
               " ".join(sorted(machine.flags or ()))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
@@ -65,8 +69,16 @@ def load() -> bool:
         from torch.utils.cpp_extension import load as build_extension
 
         build.mkdir(parents=True, exist_ok=True)
-        build_extension(name=name, sources=[str(p) for p in sorted(CSRC.glob("*.cpp"))], extra_cflags=CFLAGS,
-                        extra_ldflags=LDFLAGS, build_directory=str(build), is_python_module=False, verbose=False)
+        # torch's own build lock is a file that a killed build (SIGKILL, SIGTERM, a container stopped during the
+        # first start) leaves behind, and every later start would wait on it forever. An flock dies with its
+        # holder: whoever holds it is the only builder, so a torch lock found then is stale.
+        with open(build.with_suffix(".flock"), "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (build / "lock").unlink(missing_ok=True)
+            # copies: torch appends to the flag lists it is given, which would change build_key()
+            build_extension(name=name, sources=[str(p) for p in sorted(CSRC.glob("*.cpp"))], extra_cflags=list(CFLAGS),
+                            extra_ldflags=list(LDFLAGS), build_directory=str(build), is_python_module=False,
+                            verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache...: slower, never wrong
         if required():
             raise KernelBuildError(f"the C++ CPU kernels did not build: {e}") from e

@@ -122,6 +122,23 @@ def test_padding_slots_are_not_stored(kernel):
     assert int(changed.any(dim=(1, 2, 3)).sum()) == 1  # only the first sequence's block was written
 
 
+def test_a_build_killed_midway_does_not_hang_later_starts():
+    """torch's build lock is a plain file: a build killed by SIGKILL or SIGTERM leaves it, and torch would wait on
+    it forever at every later start (even with the library built). Found under our flock, it is removed."""
+    import subprocess
+    import sys
+
+    from pagedserve.engine import cpu_kernels
+    from pagedserve.engine.machine import cache_dir
+
+    assert cpu_kernels.load()
+    stale = cache_dir() / "extensions" / f"pagedserve_cpu_kernels_{cpu_kernels.build_key()}" / "lock"
+    stale.touch()
+    code = "from pagedserve.engine import cpu_kernels; assert cpu_kernels.load()"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    assert not stale.exists()
+
+
 def test_compile_failure_falls_back_to_the_reference_or_fails_when_required(monkeypatch, tmp_path, caplog):
     from pagedserve.engine import cpu_kernels
 
