@@ -181,9 +181,10 @@ class LLMEngine:
                 self.add_request(f"warm-up-{rep}-{i}", ids, params)
                 self.step()
             # then a batch on the longest prompt (cached by now) with short tails of their own: decode steps of
-            # many sequences with long contexts, at the price of a few prefill tokens each
+            # many sequences with long contexts, at the price of a few prefill tokens each (no more than can run
+            # at once: the rest would only repeat those steps)
             longest = max(prompts, key=len)
-            for i in range(WARM_UP_BATCH):
+            for i in range(min(WARM_UP_BATCH, sched.max_num_seqs)):
                 self.add_request(f"warm-up-{rep}-b{i}", longest + [(104729 * i + 17 * j) % vocab for j in range(8)],
                                  params)
             while self.has_unfinished():
