@@ -4,6 +4,9 @@ Each request is 40-200 consecutive words of the bundled book (uniform), `max_tok
 (median 32, sigma 1, clipped to 4..256), `ignore_eos`, temperature 0, streamed to the official `openai` client,
 all sent at once. A request's TPOT is (last token - first token) / (tokens - 1); the table gives output tokens/s,
 TTFT p50, TPOT p50 / p99 and their ratio over the requests, and the worst gap between two tokens of one stream.
+After the burst, on the idle server, one request at a time: prefill tokens/s of a long prompt (PREFILL_WORDS words
+of the book, about 2,000 tokens, `max_tokens` 1; the better of two prompts from different pages, so no prefix
+cache helps) and the TPOT of one stream (64 tokens).
 
 Sizes: `135m` is the bundled SmolLM2-135M-Instruct (Q4_1); `1b` is a Llama-3.2-1B-shaped GGUF written here with
 random blocks (`--quant`, default Q4_1) at SmolLM2's vocabulary, served with the bundled tokenizer. Servers, in
@@ -34,6 +37,7 @@ import httpx
 from pagedserve.benchmarks import common, gguf_quants, workloads
 
 ONE_B_SHAPE = "llama-3.2-1b-smolvocab"
+PREFILL_WORDS = 1500
 
 
 def burst(n: int, seed: int) -> list[tuple[str, int]]:
@@ -70,8 +74,24 @@ async def _run(base_url: str, reqs: list[tuple[str, int]]) -> dict:
     t0 = time.perf_counter()
     results = await asyncio.gather(*(_one(client, model, p, m) for p, m in reqs))
     wall = time.perf_counter() - t0
+    alone = await _alone(client, model)
     await client.close()
-    return summarize(results, wall)
+    return summarize(results, wall) | alone
+
+
+async def _alone(client, model: str) -> dict:
+    """One request at a time on the idle server: prefill tokens/s of a long prompt, TPOT of one stream."""
+    words = workloads.load_words()
+    prefill = []
+    for start in (1000, 20000):
+        t0 = time.perf_counter()
+        r = await client.completions.create(model=model, prompt=" ".join(words[start:start + PREFILL_WORDS]),
+                                            max_tokens=1, temperature=0)
+        prefill.append((r.usage.prompt_tokens / (time.perf_counter() - t0), r.usage.prompt_tokens))
+    times = (await _one(client, model, " ".join(words[500:540]), 64))["times"]
+    best = max(prefill)
+    return {"prefill_tok_s": best[0], "prefill_prompt_tokens": best[1],
+            "single_tpot_ms": (times[-1] - times[0]) / (len(times) - 1) * 1e3}
 
 
 def summarize(results: list[dict], wall: float) -> dict:
@@ -172,9 +192,11 @@ def main(argv: list[str] | None = None) -> None:
         for label, m in by.items():
             rows.append([size, label, f"{m['tok_s']:.1f}", common.ratio(m["tok_s"], base["tok_s"]),
                          f"{m['ttft_p50_ms'] / 1e3:.2f}", f"{m['tpot_p50_ms']:.0f}", f"{m['tpot_p99_ms']:.0f}",
-                         f"{m['p99_over_p50']:.2f}", f"{m['max_gap_ms']:.0f}"])
+                         f"{m['p99_over_p50']:.2f}", f"{m['max_gap_ms']:.0f}",
+                         f"{m['prefill_tok_s']:.0f}", common.ratio(m["prefill_tok_s"], base["prefill_tok_s"]),
+                         f"{m['single_tpot_ms']:.1f}"])
     text = common.table(["model", "server", "out tok/s", "vs this", "TTFT p50 s", "TPOT p50 ms", "TPOT p99 ms",
-                         "p99/p50", "worst gap ms"], rows,
+                         "p99/p50", "worst gap ms", "prefill tok/s", "vs this", "1-stream TPOT ms"], rows,
                         f"{args.requests} prose requests at once (medians of {args.rounds} interleaved rounds; "
                         f"serve args {args.serve_args or '(defaults)'})")
     common.write_json(args.json, {"requests": args.requests, "quant_1b": args.quant, "serve_args": args.serve_args,
