@@ -5,6 +5,7 @@ hold the whole matrix's values, and a dead rank ends the engine with a clear err
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from pagedserve.engine import LLMEngine, SamplingParams, make_config
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.config import ModelConfig
 from pagedserve.engine.models.loader import RANDOM_SHAPES
+from pagedserve.engine.parallel import shm_all_reduce
 from pagedserve.engine.parallel.group import check_tensor_parallel
 from pagedserve.engine.parallel.workers import WorkerFailedError
 from pagedserve.engine.quant.formats import quantize
@@ -68,16 +70,94 @@ def tiny_reference() -> dict:
     return generate(eng, PROMPTS, greedy(64))
 
 
+def our_segments() -> list[str]:
+    return glob.glob(f"/dev/shm/{shm_all_reduce.PREFIX}{os.getpid()}-*")
+
+
 def test_tiny_model_at_tp2_matches_tp1(tiny_reference):
     eng = engine(tp=2)
     try:
         assert eng.runner.num_kv_heads == 1 and eng.runner.model.layers[0].self_attn.num_heads == 2
         assert eng.runner.fused is None  # the fused decode layer has no all-reduce inside
+        assert (eng.runner.tp.shm is not None) == shm_all_reduce.supported()
+        assert not our_segments(), "the segment's name outlived start-up"
         assert_same(generate(eng, PROMPTS, greedy(64)), tiny_reference, "tp=2")
         procs = eng.workers.procs
     finally:
         eng.close()
     assert not any(p.is_alive() for p in procs), "workers outlived close()"
+    assert not our_segments()
+
+
+def test_gloo_only_at_tp2_matches_tp1(tiny_reference, monkeypatch):
+    """PAGEDSERVE_TP_SHM=0: every all-reduce over gloo (the benchmark's baseline) serves the same tokens."""
+    monkeypatch.setenv("PAGEDSERVE_TP_SHM", "0")
+    eng = engine(tp=2)
+    try:
+        assert eng.runner.tp.shm is None
+        ref = {k: {f: v[:32] for f, v in tiny_reference[k].items()} for k in ("r0", "r1")}
+        assert_same(generate(eng, PROMPTS[:2], greedy(32)), ref, "gloo")
+    finally:
+        eng.close()
+
+
+needs_shm = pytest.mark.skipif(not shm_all_reduce.supported(), reason="shared-memory all-reduce: Linux x86-64 only")
+
+
+@needs_shm
+def test_shm_all_reduce_sums_bit_identically_on_every_rank():
+    """3 ranks (threads here), calls of varied shapes and dtypes alternating the slot parities: every rank holds the
+    same bits, the sum in rank order; a tensor larger than a slot does not fit (the group sends it to gloo)."""
+    size = 3
+    name = shm_all_reduce.create_segment(size, slot_bytes=4096)
+    try:
+        ranks = [shm_all_reduce.ShmAllReduce(name, r, size, timeout_s=30) for r in range(size)]
+    finally:
+        shm_all_reduce.unlink_segment(name)
+    assert not os.path.exists(f"/dev/shm/{name}")
+    calls = [((4, 7), torch.float32), ((1, 896 // 4), torch.float32), ((3, 5), torch.bfloat16), ((2,), torch.int64)]
+    calls = calls * 3
+    inputs = [[(torch.randn(shape) * 100).to(dtype) for shape, dtype in calls] for _ in range(size)]
+    results: list = [None] * size
+
+    def run(r: int) -> None:
+        results[r] = [ranks[r](x.clone()) for x in inputs[r]]
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "an all-reduce hung"
+    for i in range(len(calls)):
+        want = inputs[0][i].clone()
+        for r in range(1, size):
+            want += inputs[r][i]
+        for r in range(size):
+            assert torch.equal(results[r][i], want), (i, r)
+    assert ranks[0].fits(torch.zeros(1024)) and not ranks[0].fits(torch.zeros(1025))
+    assert not ranks[0].fits(torch.zeros(8, 8).t())
+
+
+@needs_shm
+def test_shm_all_reduce_fails_on_a_dead_peer_instead_of_spinning():
+    name = shm_all_reduce.create_segment(2, slot_bytes=4096)
+    try:
+        mine = shm_all_reduce.ShmAllReduce(name, 0, 2, timeout_s=30)
+        peer = shm_all_reduce.ShmAllReduce(name, 1, 2, timeout_s=30)
+    finally:
+        shm_all_reduce.unlink_segment(name)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    peer._pids[1] = dead.pid  # rank 1's process has exited
+    t0 = time.monotonic()
+    with pytest.raises(shm_all_reduce.PeerDiedError, match=f"rank 1 \\(pid {dead.pid}\\) died"):
+        mine(torch.ones(4))
+    assert time.monotonic() - t0 < 5
+    peer._pids[1] = os.getpid()  # alive, but never arrives: the timeout ends the wait
+    mine.timeout_s = 0.3
+    with pytest.raises(shm_all_reduce.PeerDiedError, match="did not arrive"):
+        mine(torch.ones(4))
 
 
 @pytest.mark.slow

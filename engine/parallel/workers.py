@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.engine.config import EngineConfig, parse_cpu_bind
+from pagedserve.engine.parallel import shm_all_reduce
 from pagedserve.engine.parallel.group import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class WorkerSpec:
     device: torch.device
     cpus: list[int] | None
     threads: int
+    shm_name: str | None  # the shared-memory all-reduce's segment (None: gloo only)
 
 
 def pin(cpus: list[int] | None, threads: int) -> None:
@@ -87,7 +89,7 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -
 
         config = spec.config
         allocator.tune()
-        tp = TensorParallel.connect(spec.rank, spec.size, spec.host, spec.port, spec.device)
+        tp = TensorParallel.connect(spec.rank, spec.size, spec.host, spec.port, spec.device, shm_name=spec.shm_name)
         cfg = load_config(spec.model_path)
         table = kernel_table(spec.device, spec.dtype, config.kernel_policy)
         quant = QuantSpec.from_options(config.quantization, config.quant_group_size, config.quantize_lm_head)
@@ -119,10 +121,10 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -
 class WorkerGroup:
     """Rank 0's side: the worker processes, one pipe each."""
 
-    def __init__(self, procs: list, conns: list) -> None:
+    def __init__(self, procs: list, conns: list, shm_name: str | None) -> None:
         self.procs, self.conns = procs, conns
         self.error: WorkerFailedError | None = None  # set once a worker is found dead; every later call raises it
-        self._finalizer = weakref.finalize(self, _shut_down, procs, conns)
+        self._finalizer = weakref.finalize(self, _shut_down, procs, conns, shm_name)
 
     @classmethod
     def start(cls, config: EngineConfig, model_path: str, dtype: torch.dtype, max_len: int,
@@ -133,27 +135,27 @@ class WorkerGroup:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         host = "127.0.0.1"
         port = free_port(host)
+        shm_name = _shm_segment(size, device)
         ctx = multiprocessing.get_context("spawn")
-        procs, conns = [], []
-        for rank in range(1, size):
-            parent, child = ctx.Pipe()
-            threads = len(binds[rank]) if binds[rank] else max(1, cores // size)
-            spec = WorkerSpec(config, model_path, dtype, max_len, rank, size, host, port, rank_device(device, rank),
-                              binds[rank], threads)
-            proc = ctx.Process(target=worker_main, args=(spec, child), name=f"pagedserve-tp{rank}", daemon=True)
-            proc.start()
-            child.close()
-            procs.append(proc)
-            conns.append(parent)
-        group = cls(procs, conns)
-        pin(binds[0], len(binds[0]) if binds[0] else max(1, cores // size))
+        group = cls([], [], shm_name)  # first: its finalizer stops what has started if anything below fails
         try:
-            tp = TensorParallel.connect(0, size, host, port, rank_device(device, 0))
+            for rank in range(1, size):
+                parent, child = ctx.Pipe()
+                threads = len(binds[rank]) if binds[rank] else max(1, cores // size)
+                spec = WorkerSpec(config, model_path, dtype, max_len, rank, size, host, port,
+                                  rank_device(device, rank), binds[rank], threads, shm_name)
+                proc = ctx.Process(target=worker_main, args=(spec, child), name=f"pagedserve-tp{rank}", daemon=True)
+                proc.start()
+                child.close()
+                group.procs.append(proc)
+                group.conns.append(parent)
+            pin(binds[0], len(binds[0]) if binds[0] else max(1, cores // size))
+            tp = TensorParallel.connect(0, size, host, port, rank_device(device, 0), shm_name=shm_name)
         except BaseException:
             group.close()
             raise
-        logger.info("tensor parallel: %d ranks (workers: pids %s), %s", size, [p.pid for p in procs],
-                    "gloo" if device.type == "cpu" else "nccl")
+        logger.info("tensor parallel: %d ranks (workers: pids %s), %s", size, [p.pid for p in group.procs],
+                    "nccl" if device.type == "cuda" else "shared-memory all-reduce + gloo" if shm_name else "gloo")
         return group, tp
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
@@ -235,7 +237,21 @@ class WorkerGroup:
         self._finalizer()
 
 
-def _shut_down(procs: list, conns: list) -> None:
+def _shm_segment(size: int, device: torch.device) -> str | None:
+    """A shared-memory all-reduce segment where every rank is on this host's CPUs, it is supported, and
+    PAGEDSERVE_TP_SHM is not 0 (the switch that benchmarks gloo against it); else None (gloo)."""
+    if device.type != "cpu" or not shm_all_reduce.supported() or os.environ.get("PAGEDSERVE_TP_SHM", "1") == "0":
+        return None
+    try:
+        return shm_all_reduce.create_segment(size)
+    except OSError as e:  # e.g. a small /dev/shm: slower, not broken
+        logger.warning("tensor parallel: no shared-memory all-reduce (%s); gloo only", e)
+        return None
+
+
+def _shut_down(procs: list, conns: list, shm_name: str | None) -> None:
+    if shm_name is not None:  # normally unlinked once every rank mapped it; not if start-up failed before then
+        shm_all_reduce.unlink_segment(shm_name)
     for conn in conns:
         try:
             conn.send_bytes(pickle.dumps(None))
