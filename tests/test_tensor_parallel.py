@@ -8,6 +8,7 @@ import asyncio
 import glob
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +24,7 @@ from pagedserve.engine.config import ModelConfig
 from pagedserve.engine.models.loader import RANDOM_SHAPES
 from pagedserve.engine.parallel import shm_all_reduce
 from pagedserve.engine.parallel.group import check_tensor_parallel
-from pagedserve.engine.parallel.workers import WorkerFailedError
+from pagedserve.engine.parallel.workers import WorkerFailedError, free_port
 from pagedserve.engine.quant.formats import quantize
 
 LOGPROB_TOL = 1e-4  # fp32: only the all-reduce's summation order differs from the unsplit model
@@ -259,6 +260,61 @@ def test_bad_splits_are_refused_with_one_line():
     assert cli.returncode == 1
     assert cli.stderr.strip().splitlines()[-1] == \
         "pagedserve: error: tensor_parallel_size=3 does not divide the model's 4 attention heads"
+
+
+def _loopback_port() -> int:
+    """A free port whose successor is free too (rank 0's rendezvous and step channel)."""
+    for _ in range(50):
+        port = free_port("127.0.0.1")
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _node_command(addr: str, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "pagedserve.server.cli", "serve", "--model", "random:tiny", "--device", "cpu",
+            "--dtype", "float32", "--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", addr, *flags]
+
+
+def test_two_nodes_on_loopback_match_tp1(tiny_reference):
+    """TP=2 over two 'nodes' (separate commands, gloo over TCP, each node one rank): node 1 is `pagedserve serve
+    --node-rank 1` (no server), started first; node 0 is an engine here. The same tokens as TP=1; node 1 exits 0
+    when node 0 closes."""
+    addr = f"127.0.0.1:{_loopback_port()}"
+    node1 = subprocess.Popen(_node_command(addr, "--node-rank", "1"), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        eng = engine(tp=2, nnodes=2, dist_init_addr=addr)
+        try:
+            assert eng.workers.procs == [None] and eng.runner.tp.shm is None  # shared memory: one host only
+            ref = {k: {f: v[:32] for f, v in tiny_reference[k].items()} for k in ("r0", "r1")}
+            assert_same(generate(eng, PROMPTS[:2], greedy(32)), ref, "2 nodes")
+        finally:
+            eng.close()
+        out, _ = node1.communicate(timeout=BOUND_S)
+        assert node1.returncode == 0, out[-3000:]
+        assert "no server on this node" in out
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.communicate()
+
+
+def test_bad_multi_node_flags_are_refused_with_one_line():
+    addr = "127.0.0.1:29500"
+    for kwargs, message in [(dict(nnodes=2), "nnodes=2 needs dist_init_addr"),
+                            (dict(nnodes=2, node_rank=2, dist_init_addr=addr), "node_rank=2 must be in 0..1"),
+                            (dict(nnodes=2, dist_init_addr="127.0.0.1"), "is not host:port"),
+                            (dict(nnodes=3, dist_init_addr=addr), "must be >= 1 and divide tensor_parallel_size=2")]:
+        with pytest.raises(ValueError, match=message):
+            make_config(model="random:tiny", tensor_parallel_size=2, **kwargs)
+    cli = subprocess.run(_node_command(addr, "--node-rank", "2"), capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 1
+    assert cli.stderr.strip().splitlines()[-1] == "pagedserve: error: node_rank=2 must be in 0..1 (nnodes=2)"
 
 
 def _in_thread(fn, timeout: float):
