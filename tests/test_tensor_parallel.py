@@ -317,6 +317,14 @@ def test_bad_multi_node_flags_are_refused_with_one_line():
     assert cli.stderr.strip().splitlines()[-1] == "pagedserve: error: node_rank=2 must be in 0..1 (nnodes=2)"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_gpu_check_says_plainly_that_there_is_no_gpu():
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py"], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("gpu_check: no CUDA device here")
+
+
 def _in_thread(fn, timeout: float):
     """Run fn in a thread; return what it raised (or returned). Fails if it has not ended within `timeout`."""
     box: list = []
