@@ -1,11 +1,12 @@
 """What tensor parallelism costs and buys on this machine: the all-reduce, then whole decode steps at TP=1 vs TP=N.
 
 1. All-reduce of one step's activations ([batch, hidden] fp32, as o_proj and down_proj each produce per layer), between
-   N spawned ranks on this host: torch.distributed's gloo (what the engine uses on CPU) vs a shared-memory all-reduce
-   (each rank writes its tensor into a shared slot, spins on the others' sequence numbers, sums the slots; this
-   script's own, not wired into the engine). Per call and per step (2 x layers calls).
+   N spawned ranks on this host: torch.distributed's gloo vs the engine's shared-memory all-reduce
+   (engine/parallel/shm_all_reduce.py: each rank writes its tensor into a shared slot, waits on the others' sequence
+   numbers, sums the slots in rank order). Per call and per step (2 x layers calls).
 2. Decode step time (LLMEngine.step, median over steps after the prefill) at batch 1 and 32, TP=1 vs TP=N, random
-   weights of a published shape.
+   weights of a published shape; on CPU TP=N twice: all-reduces over gloo only (PAGEDSERVE_TP_SHM=0, the engine
+   before the shared-memory all-reduce) and as the engine runs by default.
 
 On a machine with fewer cores than ranks x threads TP cannot be faster: the ranks share the same cores and add the
 all-reduces. It pays where each rank brings its own cores and memory bandwidth (one rank per socket / NUMA node, with
@@ -21,48 +22,26 @@ On a host with two or more GPUs (NCCL; untested here), the same script is the GP
 from __future__ import annotations
 
 import multiprocessing
+import os
 import statistics
 import time
 
-import numpy as np
 import torch
 
 from pagedserve.benchmarks import common
+from pagedserve.engine.parallel.shm_all_reduce import SLOT_BYTES, ShmAllReduce, create_segment, unlink_segment
 from pagedserve.engine.parallel.workers import free_port
 
 # ---- 1. the all-reduce ----------------------------------------------------------------------------------------
 
 
-class ShmAllReduce:
-    """Sum over ranks through one shared buffer: slot r holds rank r's tensor; a sequence number per rank says
-    which call's data is in it. Two slot sets alternate by call parity, so a rank can write call k+1 while a slow
-    peer still reads call k (it cannot get two calls ahead: it waits for every peer's number to reach its own)."""
-
-    def __init__(self, rank: int, size: int, buf: np.ndarray, flags: np.ndarray, max_elems: int) -> None:
-        self.rank, self.size, self.flags, self.max_elems = rank, size, flags, max_elems
-        self.slots = torch.from_numpy(buf).view(2, size, max_elems)
-        self.seq = 0
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self.seq += 1
-        n = x.numel()
-        parity = self.seq & 1
-        self.slots[parity, self.rank, :n].copy_(x.reshape(-1))
-        self.flags[self.rank] = self.seq
-        while int(self.flags.min()) < self.seq:  # spin: every rank's data for this call is in
-            pass
-        torch.sum(self.slots[parity, :, :n], dim=0, out=x.view(-1))
-        return x
-
-
-def _reduce_rank(rank: int, size: int, port: int, shapes: list[tuple[int, int]], reps: int, shm, out) -> None:
+def _reduce_rank(rank: int, size: int, port: int, shapes: list[tuple[int, int]], reps: int, shm_name: str,
+                 out) -> None:
     from pagedserve.engine.parallel.group import TensorParallel
 
     torch.set_num_threads(1)
-    tp = TensorParallel.connect(rank, size, "127.0.0.1", port, torch.device("cpu"))
-    buf, flags, max_elems = shm
-    shm_reduce = ShmAllReduce(rank, size, np.frombuffer(buf, dtype=np.float32),
-                              np.frombuffer(flags, dtype=np.int64), max_elems)
+    tp = TensorParallel.connect(rank, size, "127.0.0.1", port, torch.device("cpu"))  # gloo only: no shm_name
+    shm_reduce = ShmAllReduce(shm_name, rank, size, timeout_s=60)
     result = {}
     for shape in shapes:
         x = torch.randn(shape)
@@ -84,18 +63,19 @@ def _reduce_rank(rank: int, size: int, port: int, shapes: list[tuple[int, int]],
 def all_reduce_table(size: int, hidden: int, layers: int, batches: list[int], reps: int) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     shapes = [(b, hidden) for b in batches]
-    max_elems = max(b for b in batches) * hidden
-    buf = ctx.RawArray("f", 2 * size * max_elems)
-    flags = ctx.RawArray("q", size)
+    shm_name = create_segment(size, slot_bytes=max(SLOT_BYTES, max(batches) * hidden * 4))
     out = ctx.Queue()
     port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_reduce_rank, args=(r, size, port, shapes, reps, (buf, flags, max_elems), out))
+    procs = [ctx.Process(target=_reduce_rank, args=(r, size, port, shapes, reps, shm_name, out))
              for r in range(size)]
-    for p in procs:
-        p.start()
-    result = out.get(timeout=600)
-    for p in procs:
-        p.join()
+    try:
+        for p in procs:
+            p.start()
+        result = out.get(timeout=600)
+        for p in procs:
+            p.join()
+    finally:
+        unlink_segment(shm_name)
     rows = []
     for b in batches:
         for name in ("gloo", "shared memory"):
@@ -111,10 +91,11 @@ def all_reduce_table(size: int, hidden: int, layers: int, batches: list[int], re
 THREADS = torch.get_num_threads()  # TP=1 gets every core; each of TP=N's ranks gets its share
 
 
-def step_ms(model: str, tp: int, batch: int, steps: int, dtype: str, device: str) -> float:
+def step_ms(model: str, tp: int, batch: int, steps: int, dtype: str, device: str, shm: bool = True) -> float:
     from pagedserve.engine import LLMEngine, SamplingParams, make_config
 
     torch.set_num_threads(THREADS)  # rank 0 of a TP run pins this process to its share of the cores; undo it
+    os.environ["PAGEDSERVE_TP_SHM"] = "1" if shm else "0"  # read by rank 0 when it starts the workers
     eng = LLMEngine(make_config(model=model, dtype=dtype, device=device, tensor_parallel_size=tp, max_step_ms=0,
                                 num_blocks=max(64, batch * 4), max_model_len=256))
     try:
@@ -153,11 +134,15 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for b in batches:
         one = step_ms(args.model, 1, b, args.steps, args.dtype, args.device)
+        gloo = step_ms(args.model, args.tp, b, args.steps, args.dtype, args.device, shm=False) \
+            if args.device == "cpu" else None
         split = step_ms(args.model, args.tp, b, args.steps, args.dtype, args.device)
-        rows.append({"batch": b, "tp1_ms": one, "tpN_ms": split})
-    common.table(["batch", "TP=1 ms/step", f"TP={args.tp} ms/step", f"TP={args.tp} / TP=1"],
-                 [[r["batch"], f"{r['tp1_ms']:.1f}", f"{r['tpN_ms']:.1f}", common.ratio(r["tpN_ms"], r["tp1_ms"])]
-                  for r in rows],
+        rows.append({"batch": b, "tp1_ms": one, "tpN_gloo_ms": gloo, "tpN_ms": split})
+    n = args.tp
+    common.table(["batch", "TP=1 ms/step", f"TP={n} gloo", f"TP={n} / TP=1", f"TP={n} (engine)", f"TP={n} / TP=1"],
+                 [[r["batch"], f"{r['tp1_ms']:.1f}", "-" if r["tpN_gloo_ms"] is None else f"{r['tpN_gloo_ms']:.1f}",
+                   common.ratio(r["tpN_gloo_ms"], r["tp1_ms"]), f"{r['tpN_ms']:.1f}",
+                   common.ratio(r["tpN_ms"], r["tp1_ms"])] for r in rows],
                  f"decode step, {args.model} ({cfg.num_layers} layers, hidden {cfg.hidden_size}), {args.dtype} on "
                  f"{args.device}")
     common.write_json(args.json, {"all_reduce": reduce_rows, "steps": rows, "model": args.model, "tp": args.tp})

@@ -213,18 +213,33 @@ class EngineConfig:
     tensor_parallel_size: int = opt(1, "split the model across this many ranks (Megatron-style: heads, MLP columns "
                                        "and vocabulary; rank 0 schedules and samples, ranks 1.. are worker "
                                        "processes; gloo on CPU, NCCL on CUDA)")
-    cpu_bind: str | None = opt(None, "CPUs of each tensor-parallel rank, '|'-separated, e.g. '0-31|32-63' (one "
-                                     "NUMA node each, as vLLM's VLLM_CPU_OMP_THREADS_BIND): a rank is pinned to "
-                                     "its CPUs and runs one thread per CPU (default: no pinning, this machine's "
-                                     "cores shared evenly)")
+    cpu_bind: str | None = opt(None, "CPUs of each tensor-parallel rank on this node, '|'-separated, e.g. "
+                                     "'0-31|32-63' (one NUMA node each, as vLLM's VLLM_CPU_OMP_THREADS_BIND): a "
+                                     "rank is pinned to its CPUs and runs one thread per CPU (default: no pinning, "
+                                     "this machine's cores shared evenly)")
+    nnodes: int = opt(1, "tensor-parallel ranks spread over this many hosts, tensor_parallel_size / nnodes each "
+                         "(as SGLang's --nnodes); every node runs the same command with its own --node-rank")
+    node_rank: int = opt(0, "this host's place among --nnodes: 0 runs the server, the scheduler and ranks "
+                            "0..; k > 0 runs only its worker ranks and exits when node 0 stops")
+    dist_init_addr: str | None = opt(None, "host:port of node 0 (needed with --nnodes > 1): its rendezvous "
+                                           "listens on port, its step channel on port + 1 (trusted network only)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes} must be >= 1 and divide tensor_parallel_size="
+                             f"{self.tensor_parallel_size}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be in 0..{self.nnodes - 1} (nnodes={self.nnodes})")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError(f"nnodes={self.nnodes} needs dist_init_addr: node 0's host:port, the same on every node")
+        if self.dist_init_addr is not None:
+            parse_dist_init_addr(self.dist_init_addr)
         if self.cpu_bind is not None:
-            parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size)
+            parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size // self.nnodes)
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.speculative_method!r}")
@@ -238,6 +253,14 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+def parse_dist_init_addr(text: str) -> tuple[str, int]:
+    """'10.0.0.1:29500' -> ('10.0.0.1', 29500); the port + 1 must be a port too (the step channel's)."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) < 65535:
+        raise ValueError(f"dist_init_addr {text!r} is not host:port (a port from 1 to 65534)")
+    return host.strip("[]"), int(port)
 
 
 def parse_cpu_bind(text: str, ranks: int) -> list[list[int]]:
@@ -254,7 +277,8 @@ def parse_cpu_bind(text: str, ranks: int) -> list[list[int]]:
             raise ValueError(f"cpu_bind {text!r}: an empty CPU list")
         lists.append(cpus)
     if len(lists) != ranks:
-        raise ValueError(f"cpu_bind {text!r} names {len(lists)} CPU lists for tensor_parallel_size={ranks}")
+        raise ValueError(f"cpu_bind {text!r} names {len(lists)} CPU lists for {ranks} tensor-parallel ranks on this "
+                         "node")
     return lists
 
 

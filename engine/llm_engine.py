@@ -146,6 +146,9 @@ class LLMEngine:
         from pagedserve.engine.parallel.workers import WorkerGroup, rank_device
 
         check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
+        if self.config.node_rank:
+            raise ValueError(f"node_rank={self.config.node_rank} runs only its worker ranks (`pagedserve serve "
+                             "--node-rank k`); the engine runs on node 0")
         if model is not None:
             raise ValueError("a pre-built model cannot be split for tensor parallelism: pass the model's path")
         self.device = rank_device(self.device, 0)

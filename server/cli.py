@@ -63,6 +63,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from pagedserve.server.connections import is_loopback
 
     config = _engine_config(args)
+    if config.node_rank > 0:
+        _serve_node(config)
+        return
     server = ServerConfig(**options(args, ServerConfig), limits=AdmissionLimits(**options(args, AdmissionLimits)))
     if server.api_key is None and os.environ.get("PAGEDSERVE_API_KEY"):  # keeps the key out of `ps`
         server = dataclasses.replace(server, api_key=os.environ["PAGEDSERVE_API_KEY"])
@@ -92,6 +95,23 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if app.state.pagedserve.load_error is not None:  # never a server that answers 503 for ever
         e = app.state.pagedserve.load_error
         _fail(f"the model failed to load: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+def _serve_node(config) -> None:
+    """Another node of a multi-node tensor-parallel group: its worker ranks only, no HTTP server."""
+    from pagedserve.engine.models.loader import load_config
+    from pagedserve.engine.models.resolver import resolve_model
+    from pagedserve.engine.parallel.group import check_tensor_parallel
+    from pagedserve.engine.parallel.workers import run_node
+
+    try:
+        check_tensor_parallel(load_config(resolve_model(config.model, config.revision, config.gguf_file).path),
+                              config.tensor_parallel_size)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    print(f"pagedserve: node {config.node_rank} of {config.nnodes}: tensor-parallel worker ranks for "
+          f"{config.dist_init_addr} (no server on this node)", flush=True)
+    sys.exit(run_node(config))
 
 
 def _serve_replicas(config, server, replicas) -> None:

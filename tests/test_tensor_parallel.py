@@ -5,8 +5,10 @@ hold the whole matrix's values, and a dead rank ends the engine with a clear err
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,8 +22,9 @@ from pagedserve.engine import LLMEngine, SamplingParams, make_config
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.config import ModelConfig
 from pagedserve.engine.models.loader import RANDOM_SHAPES
+from pagedserve.engine.parallel import shm_all_reduce
 from pagedserve.engine.parallel.group import check_tensor_parallel
-from pagedserve.engine.parallel.workers import WorkerFailedError
+from pagedserve.engine.parallel.workers import WorkerFailedError, free_port
 from pagedserve.engine.quant.formats import quantize
 
 LOGPROB_TOL = 1e-4  # fp32: only the all-reduce's summation order differs from the unsplit model
@@ -68,16 +71,94 @@ def tiny_reference() -> dict:
     return generate(eng, PROMPTS, greedy(64))
 
 
+def our_segments() -> list[str]:
+    return glob.glob(f"/dev/shm/{shm_all_reduce.PREFIX}{os.getpid()}-*")
+
+
 def test_tiny_model_at_tp2_matches_tp1(tiny_reference):
     eng = engine(tp=2)
     try:
         assert eng.runner.num_kv_heads == 1 and eng.runner.model.layers[0].self_attn.num_heads == 2
         assert eng.runner.fused is None  # the fused decode layer has no all-reduce inside
+        assert (eng.runner.tp.shm is not None) == shm_all_reduce.supported()
+        assert not our_segments(), "the segment's name outlived start-up"
         assert_same(generate(eng, PROMPTS, greedy(64)), tiny_reference, "tp=2")
         procs = eng.workers.procs
     finally:
         eng.close()
     assert not any(p.is_alive() for p in procs), "workers outlived close()"
+    assert not our_segments()
+
+
+def test_gloo_only_at_tp2_matches_tp1(tiny_reference, monkeypatch):
+    """PAGEDSERVE_TP_SHM=0: every all-reduce over gloo (the benchmark's baseline) serves the same tokens."""
+    monkeypatch.setenv("PAGEDSERVE_TP_SHM", "0")
+    eng = engine(tp=2)
+    try:
+        assert eng.runner.tp.shm is None
+        ref = {k: {f: v[:32] for f, v in tiny_reference[k].items()} for k in ("r0", "r1")}
+        assert_same(generate(eng, PROMPTS[:2], greedy(32)), ref, "gloo")
+    finally:
+        eng.close()
+
+
+needs_shm = pytest.mark.skipif(not shm_all_reduce.supported(), reason="shared-memory all-reduce: Linux x86-64 only")
+
+
+@needs_shm
+def test_shm_all_reduce_sums_bit_identically_on_every_rank():
+    """3 ranks (threads here), calls of varied shapes and dtypes alternating the slot parities: every rank holds the
+    same bits, the sum in rank order; a tensor larger than a slot does not fit (the group sends it to gloo)."""
+    size = 3
+    name = shm_all_reduce.create_segment(size, slot_bytes=4096)
+    try:
+        ranks = [shm_all_reduce.ShmAllReduce(name, r, size, timeout_s=30) for r in range(size)]
+    finally:
+        shm_all_reduce.unlink_segment(name)
+    assert not os.path.exists(f"/dev/shm/{name}")
+    calls = [((4, 7), torch.float32), ((1, 896 // 4), torch.float32), ((3, 5), torch.bfloat16), ((2,), torch.int64)]
+    calls = calls * 3
+    inputs = [[(torch.randn(shape) * 100).to(dtype) for shape, dtype in calls] for _ in range(size)]
+    results: list = [None] * size
+
+    def run(r: int) -> None:
+        results[r] = [ranks[r](x.clone()) for x in inputs[r]]
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "an all-reduce hung"
+    for i in range(len(calls)):
+        want = inputs[0][i].clone()
+        for r in range(1, size):
+            want += inputs[r][i]
+        for r in range(size):
+            assert torch.equal(results[r][i], want), (i, r)
+    assert ranks[0].fits(torch.zeros(1024)) and not ranks[0].fits(torch.zeros(1025))
+    assert not ranks[0].fits(torch.zeros(8, 8).t())
+
+
+@needs_shm
+def test_shm_all_reduce_fails_on_a_dead_peer_instead_of_spinning():
+    name = shm_all_reduce.create_segment(2, slot_bytes=4096)
+    try:
+        mine = shm_all_reduce.ShmAllReduce(name, 0, 2, timeout_s=30)
+        peer = shm_all_reduce.ShmAllReduce(name, 1, 2, timeout_s=30)
+    finally:
+        shm_all_reduce.unlink_segment(name)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    peer._pids[1] = dead.pid  # rank 1's process has exited
+    t0 = time.monotonic()
+    with pytest.raises(shm_all_reduce.PeerDiedError, match=f"rank 1 \\(pid {dead.pid}\\) died"):
+        mine(torch.ones(4))
+    assert time.monotonic() - t0 < 5
+    peer._pids[1] = os.getpid()  # alive, but never arrives: the timeout ends the wait
+    mine.timeout_s = 0.3
+    with pytest.raises(shm_all_reduce.PeerDiedError, match="did not arrive"):
+        mine(torch.ones(4))
 
 
 @pytest.mark.slow
@@ -179,6 +260,69 @@ def test_bad_splits_are_refused_with_one_line():
     assert cli.returncode == 1
     assert cli.stderr.strip().splitlines()[-1] == \
         "pagedserve: error: tensor_parallel_size=3 does not divide the model's 4 attention heads"
+
+
+def _loopback_port() -> int:
+    """A free port whose successor is free too (rank 0's rendezvous and step channel)."""
+    for _ in range(50):
+        port = free_port("127.0.0.1")
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _node_command(addr: str, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "pagedserve.server.cli", "serve", "--model", "random:tiny", "--device", "cpu",
+            "--dtype", "float32", "--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", addr, *flags]
+
+
+def test_two_nodes_on_loopback_match_tp1(tiny_reference):
+    """TP=2 over two 'nodes' (separate commands, gloo over TCP, each node one rank): node 1 is `pagedserve serve
+    --node-rank 1` (no server), started first; node 0 is an engine here. The same tokens as TP=1; node 1 exits 0
+    when node 0 closes."""
+    addr = f"127.0.0.1:{_loopback_port()}"
+    node1 = subprocess.Popen(_node_command(addr, "--node-rank", "1"), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        eng = engine(tp=2, nnodes=2, dist_init_addr=addr)
+        try:
+            assert eng.workers.procs == [None] and eng.runner.tp.shm is None  # shared memory: one host only
+            ref = {k: {f: v[:32] for f, v in tiny_reference[k].items()} for k in ("r0", "r1")}
+            assert_same(generate(eng, PROMPTS[:2], greedy(32)), ref, "2 nodes")
+        finally:
+            eng.close()
+        out, _ = node1.communicate(timeout=BOUND_S)
+        assert node1.returncode == 0, out[-3000:]
+        assert "no server on this node" in out
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.communicate()
+
+
+def test_bad_multi_node_flags_are_refused_with_one_line():
+    addr = "127.0.0.1:29500"
+    for kwargs, message in [(dict(nnodes=2), "nnodes=2 needs dist_init_addr"),
+                            (dict(nnodes=2, node_rank=2, dist_init_addr=addr), "node_rank=2 must be in 0..1"),
+                            (dict(nnodes=2, dist_init_addr="127.0.0.1"), "is not host:port"),
+                            (dict(nnodes=3, dist_init_addr=addr), "must be >= 1 and divide tensor_parallel_size=2")]:
+        with pytest.raises(ValueError, match=message):
+            make_config(model="random:tiny", tensor_parallel_size=2, **kwargs)
+    cli = subprocess.run(_node_command(addr, "--node-rank", "2"), capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 1
+    assert cli.stderr.strip().splitlines()[-1] == "pagedserve: error: node_rank=2 must be in 0..1 (nnodes=2)"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_gpu_check_says_plainly_that_there_is_no_gpu():
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py"], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("gpu_check: no CUDA device here")
 
 
 def _in_thread(fn, timeout: float):

@@ -2,7 +2,9 @@
 
 The group is a torch.distributed process group made directly over a TCPStore (gloo on CPU, NCCL on CUDA), not
 the process-wide default group: an engine owns its group, so two engines in one process (tests, benchmarks) do
-not collide, and closing one leaves no global state behind.
+not collide, and closing one leaves no global state behind. Ranks on one host's CPUs sum through shared memory
+(`shm_all_reduce.py`, ~30x faster than gloo's loopback sockets); gloo still carries the gathers, the non-sum
+reductions and tensors larger than a shared slot.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.engine.config import ModelConfig
+from pagedserve.engine.parallel.shm_all_reduce import ShmAllReduce, unlink_segment
 
 # A collective waits at most this long for a peer: the bound on detecting a hung (not dead) rank. A dead rank's
 # sockets close, so its peers fail at once; this backstop covers a stopped or deadlocked one.
@@ -54,13 +57,16 @@ class Shares:
 class TensorParallel:
     """Rank `rank` of `size`; collectives over `group` on `device`."""
 
-    def __init__(self, rank: int, size: int, group, device: torch.device) -> None:
+    def __init__(self, rank: int, size: int, group, device: torch.device, shm: ShmAllReduce | None = None) -> None:
         self.rank, self.size, self.group, self.device = rank, size, group, device
+        self.shm = shm  # sums the CPU tensors that fit its slots; gloo the rest
 
     @classmethod
     def connect(cls, rank: int, size: int, host: str, port: int, device: torch.device,
-                timeout_s: float = DEFAULT_TIMEOUT_S, connect_timeout_s: float = 300.0) -> TensorParallel:
-        """Join the group: rank 0 hosts the store at host:port, the others connect to it."""
+                timeout_s: float = DEFAULT_TIMEOUT_S, connect_timeout_s: float = 300.0,
+                shm_name: str | None = None) -> TensorParallel:
+        """Join the group: rank 0 hosts the store at host:port, the others connect to it. `shm_name`: a segment
+        from `shm_all_reduce.create_segment` that every rank (all on this host) maps for its all-reduces."""
         store = dist.TCPStore(host, port, size, rank == 0, timeout=datetime.timedelta(seconds=connect_timeout_s))
         timeout = datetime.timedelta(seconds=timeout_s)
         if device.type == "cuda":
@@ -70,11 +76,20 @@ class TensorParallel:
             group = dist.ProcessGroupNCCL(store, rank, size, opts)
         else:
             group = dist.ProcessGroupGloo(store, rank, size, timeout)
-        return cls(rank, size, group, device)
+        tp = cls(rank, size, group, device)
+        if shm_name is not None:
+            shm = ShmAllReduce(shm_name, rank, size, timeout_s)
+            tp.all_reduce(torch.zeros(1, device=device))  # a barrier: every rank has mapped the segment...
+            if rank == 0:
+                unlink_segment(shm_name)  # ...so its name can go: nothing is left in /dev/shm whoever dies later
+            tp.shm = shm
+        return tp
 
     # ---- collectives -------------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Sum (or `op`) over ranks, in place; returns x."""
+        if self.shm is not None and op == dist.ReduceOp.SUM and self.shm.fits(x):
+            return self.shm(x)
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         self.group.allreduce([x], opts).wait()
@@ -110,4 +125,4 @@ class TensorParallel:
         return Shares(r * q, q, kv_start, kv, r * mlp, mlp, v0, min(per, cfg.vocab_size - v0), per)
 
     def __repr__(self) -> str:
-        return f"TensorParallel(rank={self.rank}, size={self.size}, device={self.device})"
+        return f"TensorParallel(rank={self.rank}, size={self.size}, device={self.device}, shm={self.shm is not None})"

@@ -14,26 +14,42 @@ way rank 0 raises `WorkerFailedError` naming the rank, and the engine stops (the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
 import socket
+import struct
 import time
 import traceback
 import weakref
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import torch
 
-from pagedserve.engine.config import EngineConfig, parse_cpu_bind
+from pagedserve.engine.config import EngineConfig, ModelConfig, parse_cpu_bind, parse_dist_init_addr, resolve_dtype
+from pagedserve.engine.parallel import shm_all_reduce
 from pagedserve.engine.parallel.group import TensorParallel
 
 logger = logging.getLogger(__name__)
 
+HANDSHAKE_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 300.0  # ranks of other nodes may be started a while after node 0 (or before it)
 READY_TIMEOUT_S = 1800.0  # loading a large checkpoint on every rank takes a while; a dead worker ends the wait early
 CLOSE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Rank 0's engine options, sent to each rank of another node once it has connected."""
+
+    config: EngineConfig
+    dtype: torch.dtype
+    max_len: int
+    model_config: ModelConfig  # the other node must hold the same model (its path may differ)
 
 
 class WorkerFailedError(RuntimeError):
@@ -55,6 +71,7 @@ class WorkerSpec:
     device: torch.device
     cpus: list[int] | None
     threads: int
+    shm_name: str | None  # the shared-memory all-reduce's segment (None: gloo only)
 
 
 def pin(cpus: list[int] | None, threads: int) -> None:
@@ -64,9 +81,80 @@ def pin(cpus: list[int] | None, threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """One GPU per rank on a CUDA host (cuda:rank); every rank on the CPU otherwise."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """One GPU per rank on a CUDA host (cuda:<the rank's index on its node>); every rank on the CPU otherwise."""
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
+
+
+def _authkey() -> bytes:
+    """The step channel's HMAC key: it keeps strangers from feeding pickles to a rank. Set the same
+    PAGEDSERVE_DIST_KEY on every node where the network is not trusted (gloo's own sockets are not authenticated)."""
+    return os.environ.get("PAGEDSERVE_DIST_KEY", "pagedserve").encode()
+
+
+def _dial(host: str, port: int, rank: int, size: int, timeout_s: float) -> Connection:
+    """A remote rank's step channel: connect to rank 0 (retrying while it is not up yet), authenticate both ways,
+    and say which rank this is."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=10)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    sock.settimeout(None)
+    conn = multiprocessing.connection.Connection(sock.detach())
+    multiprocessing.connection.answer_challenge(conn, _authkey())
+    multiprocessing.connection.deliver_challenge(conn, _authkey())
+    conn.send(("hello", rank, size))
+    return conn
+
+
+def _accept(host: str, port: int, ranks: range, size: int, timeout_s: float) -> dict[int, Connection]:
+    """Rank 0's side of `_dial`: one connection from each remote rank in `ranks`, by rank."""
+    conns: dict = {}
+    deadline = time.monotonic() + timeout_s
+    with socket.create_server((host, port)) as server:
+        while len(conns) < len(ranks):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"tensor-parallel ranks {sorted(set(ranks) - set(conns))} did not connect to "
+                                   f"{host}:{port} within {timeout_s:.0f} s: start them with --node-rank")
+            server.settimeout(left)
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                continue
+            sock.setblocking(True)  # Connection reads the fd directly: it must block
+            _receive_timeout(sock, HANDSHAKE_TIMEOUT_S)  # a stranger that stalls the handshake cannot hold start-up
+            conn = multiprocessing.connection.Connection(sock.detach())
+            try:
+                multiprocessing.connection.deliver_challenge(conn, _authkey())
+                multiprocessing.connection.answer_challenge(conn, _authkey())
+                kind, rank, their_size = conn.recv()
+            except (OSError, EOFError, ValueError, pickle.UnpicklingError,
+                    multiprocessing.AuthenticationError) as e:
+                logger.warning("tensor parallel: refused a step-channel connection: %r", e)
+                conn.close()
+                continue
+            if kind != "hello" or their_size != size or rank not in ranks or rank in conns:
+                logger.warning("tensor parallel: refused rank %s of tensor_parallel_size=%s (expected ranks %d..%d "
+                               "of %d: are --tensor-parallel-size and --nnodes the same on every node?)", rank,
+                               their_size, ranks[0], ranks[-1], size)
+                conn.close()
+                continue
+            with socket.socket(fileno=os.dup(conn.fileno())) as dup:  # the same socket: options are shared
+                _receive_timeout(dup, 0)  # and from now on waiting indefinitely is right: an idle engine
+            conns[rank] = conn
+    return conns
+
+
+def _receive_timeout(sock: socket.socket, seconds: float) -> None:
+    """SO_RCVTIMEO (0: none), which a blocking read of the raw fd honours, unlike socket.settimeout."""
+    sec = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, int((seconds - sec) * 1e6)))
 
 
 def free_port(host: str) -> int:
@@ -75,9 +163,16 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -> None:
-    """A worker rank: join the group, build this rank's shard, then run steps until rank 0 says stop or is gone."""
+def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection | None) -> None:
+    """A worker rank: join the group, build this rank's shard, then run steps until rank 0 says stop or is gone.
+    `conn`: the pipe from rank 0 on its node; None for a remote rank, which dials rank 0 itself."""
     try:
+        expected = None
+        if conn is None:  # another node's rank: rank 0's engine options win, so every rank agrees on every shape
+            conn = _dial(spec.host, spec.port + 1, spec.rank, spec.size, CONNECT_TIMEOUT_S)
+            setup: Setup = conn.recv()
+            spec = dataclasses.replace(spec, config=setup.config, dtype=setup.dtype, max_len=setup.max_len)
+            expected = setup.model_config
         pin(spec.cpus, spec.threads)
         from pagedserve.engine import allocator
         from pagedserve.engine.layers.dispatch import kernel_table
@@ -87,8 +182,10 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -
 
         config = spec.config
         allocator.tune()
-        tp = TensorParallel.connect(spec.rank, spec.size, spec.host, spec.port, spec.device)
+        tp = TensorParallel.connect(spec.rank, spec.size, spec.host, spec.port, spec.device, shm_name=spec.shm_name)
         cfg = load_config(spec.model_path)
+        if expected is not None and cfg != expected:
+            raise ValueError(f"this node's model ({spec.model_path}: {cfg}) is not node 0's ({expected})")
         table = kernel_table(spec.device, spec.dtype, config.kernel_policy)
         quant = QuantSpec.from_options(config.quantization, config.quant_group_size, config.quantize_lm_head)
         torch.manual_seed(config.seed)
@@ -109,7 +206,8 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -
         text = traceback.format_exc()
         logger.error("tensor-parallel rank %d failed:\n%s", spec.rank, text)
         try:
-            conn.send(("error", text))
+            if conn is not None:
+                conn.send(("error", text))
         except OSError:
             pass
         os._exit(1)  # no interpreter teardown: a broken process group may block in its destructor
@@ -117,43 +215,49 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -
 
 
 class WorkerGroup:
-    """Rank 0's side: the worker processes, one pipe each."""
+    """Rank 0's side: the worker ranks, one channel each (`conns[i]` is rank i + 1's): a pipe to a process of this
+    node (`procs[i]`), or a TCP connection from a rank on another node (`procs[i]` is None)."""
 
-    def __init__(self, procs: list, conns: list) -> None:
-        self.procs, self.conns = procs, conns
+    def __init__(self, procs: list, conns: list, shm_name: str | None, per_node: int) -> None:
+        self.procs, self.conns, self.per_node = procs, conns, per_node
         self.error: WorkerFailedError | None = None  # set once a worker is found dead; every later call raises it
-        self._finalizer = weakref.finalize(self, _shut_down, procs, conns)
+        self._finalizer = weakref.finalize(self, _shut_down, procs, conns, shm_name)
 
     @classmethod
     def start(cls, config: EngineConfig, model_path: str, dtype: torch.dtype, max_len: int,
               device: torch.device) -> tuple[WorkerGroup, TensorParallel]:
-        """Spawn ranks 1..N-1, pin rank 0 (this process), join the group as rank 0."""
-        size = config.tensor_parallel_size
-        binds = parse_cpu_bind(config.cpu_bind, size) if config.cpu_bind else [None] * size
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        host = "127.0.0.1"
-        port = free_port(host)
-        ctx = multiprocessing.get_context("spawn")
-        procs, conns = [], []
-        for rank in range(1, size):
-            parent, child = ctx.Pipe()
-            threads = len(binds[rank]) if binds[rank] else max(1, cores // size)
-            spec = WorkerSpec(config, model_path, dtype, max_len, rank, size, host, port, rank_device(device, rank),
-                              binds[rank], threads)
-            proc = ctx.Process(target=worker_main, args=(spec, child), name=f"pagedserve-tp{rank}", daemon=True)
-            proc.start()
-            child.close()
-            procs.append(proc)
-            conns.append(parent)
-        group = cls(procs, conns)
-        pin(binds[0], len(binds[0]) if binds[0] else max(1, cores // size))
+        """Spawn this node's ranks 1..L-1, take the other nodes' ranks' connections (L = ranks per node), pin
+        rank 0 (this process), join the group as rank 0."""
+        size, nnodes = config.tensor_parallel_size, config.nnodes
+        per_node = size // nnodes
+        if nnodes > 1:
+            host, port = parse_dist_init_addr(config.dist_init_addr)
+        else:
+            host = "127.0.0.1"
+            port = free_port(host)
+        shm_name = _shm_segment(size, device) if nnodes == 1 else None  # shared memory spans one host only
+        group = cls([], [], shm_name, per_node)  # first: its finalizer stops what has started if anything fails
         try:
-            tp = TensorParallel.connect(0, size, host, port, rank_device(device, 0))
+            group.procs += spawn_ranks(config, model_path, dtype, max_len, device, range(1, per_node), host, port,
+                                       shm_name, group.conns)
+            if nnodes > 1:
+                from pagedserve.engine.models.loader import load_config
+
+                remote = _accept(host, port + 1, range(per_node, size), size, CONNECT_TIMEOUT_S)
+                setup = Setup(config, dtype, max_len, load_config(model_path))
+                for conn in remote.values():
+                    conn.send(setup)
+                group.procs += [None] * len(remote)
+                group.conns += [remote[r] for r in range(per_node, size)]
+            binds = parse_cpu_bind(config.cpu_bind, per_node) if config.cpu_bind else [None]
+            pin(binds[0], len(binds[0]) if binds[0] else max(1, _cores() // per_node))
+            tp = TensorParallel.connect(0, size, host, port, rank_device(device, 0), shm_name=shm_name)
         except BaseException:
             group.close()
             raise
-        logger.info("tensor parallel: %d ranks (workers: pids %s), %s", size, [p.pid for p in procs],
-                    "gloo" if device.type == "cpu" else "nccl")
+        logger.info("tensor parallel: %d ranks on %d node(s) (this node's workers: pids %s), %s", size, nnodes,
+                    [p.pid for p in group.procs if p is not None],
+                    "nccl" if device.type == "cuda" else "shared-memory all-reduce + gloo" if shm_name else "gloo")
         return group, tp
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
@@ -164,10 +268,10 @@ class WorkerGroup:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self._fail(f"tensor-parallel ranks {[i + 1 for i in pending]} not ready after {timeout:.0f} s")
-            ready = multiprocessing.connection.wait(list(pending.values()) +
-                                                    [self.procs[i].sentinel for i in pending], left)
+            ready = multiprocessing.connection.wait(
+                list(pending.values()) + [self.procs[i].sentinel for i in pending if self.procs[i] is not None], left)
             for i, conn in list(pending.items()):
-                if conn in ready or self.procs[i].sentinel in ready:
+                if conn in ready or (self.procs[i] is not None and self.procs[i].sentinel in ready):
                     try:
                         kind, text = conn.recv()
                     except (EOFError, OSError):
@@ -191,9 +295,18 @@ class WorkerGroup:
         """Raise WorkerFailedError if any worker has died (cheap: one non-blocking wait per worker)."""
         if self.error is not None:
             raise self.error
-        for i, proc in enumerate(self.procs):
-            if not proc.is_alive():
+        for i in range(len(self.conns)):
+            if self._dead(i):
                 raise self._fail(self._describe(i))
+
+    def _dead(self, i: int) -> bool:
+        proc = self.procs[i]
+        if proc is not None:
+            return not proc.is_alive()
+        try:  # a healthy remote rank sends nothing after "ready": anything readable is its error or its EOF
+            return self.conns[i].poll(0)
+        except OSError:
+            return True
 
     def raise_failure(self, cause: BaseException, grace_s: float = 5.0) -> None:
         """After a step failed with `cause`: raise WorkerFailedError naming the dead rank if a worker died (it may
@@ -202,8 +315,8 @@ class WorkerGroup:
             raise self.error from cause
         deadline = time.monotonic() + grace_s
         while True:
-            for i, proc in enumerate(self.procs):
-                if not proc.is_alive():
+            for i in range(len(self.conns)):
+                if self._dead(i):
                     raise self._fail(self._describe(i)) from cause
             if time.monotonic() >= deadline:
                 raise self._fail(f"a tensor-parallel collective failed with every worker alive: {cause}") from cause
@@ -217,11 +330,14 @@ class WorkerGroup:
                     kind, text = conn.recv()
             except (EOFError, OSError):
                 pass
+        last = f": {text.strip().splitlines()[-1]}" if text else ""
+        if proc is None:
+            how = "failed" if text else "closed its connection (died, or its node stopped)"
+            return f"tensor-parallel rank {i + 1} (node {(i + 1) // self.per_node}) {how}{last}"
         proc.join(timeout=1.0)
         code = proc.exitcode
         how = ("is hung" if code is None else f"was killed by signal {-code}" if code < 0 else
                f"exited with code {code}")
-        last = f": {text.strip().splitlines()[-1]}" if text else ""
         return f"tensor-parallel rank {i + 1} (pid {proc.pid}) {how}{last}"
 
     def _fail(self, message: str) -> WorkerFailedError:
@@ -235,12 +351,85 @@ class WorkerGroup:
         self._finalizer()
 
 
-def _shut_down(procs: list, conns: list) -> None:
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def spawn_ranks(config: EngineConfig, model_path: str, dtype: torch.dtype, max_len: int, device: torch.device,
+                ranks: range, host: str, port: int, shm_name: str | None, conns: list | None) -> list:
+    """Start worker processes for `ranks` of this node. `conns` (node 0): a pipe to each is appended there; None
+    (another node): each dials rank 0 at host:port + 1 itself. Each gets this node's CPU list for its place."""
+    size, per_node = config.tensor_parallel_size, config.tensor_parallel_size // config.nnodes
+    binds = parse_cpu_bind(config.cpu_bind, per_node) if config.cpu_bind else [None] * per_node
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for rank in ranks:
+        local = rank % per_node
+        threads = len(binds[local]) if binds[local] else max(1, _cores() // per_node)
+        spec = WorkerSpec(config, model_path, dtype, max_len, rank, size, host, port, rank_device(device, local),
+                          binds[local], threads, shm_name)
+        child = None
+        if conns is not None:
+            parent, child = ctx.Pipe()
+            conns.append(parent)
+        proc = ctx.Process(target=worker_main, args=(spec, child), name=f"pagedserve-tp{rank}", daemon=True)
+        proc.start()
+        if child is not None:
+            child.close()
+        procs.append(proc)
+    return procs
+
+
+def run_node(config: EngineConfig) -> int:
+    """`pagedserve serve --node-rank k` (k > 0): run this node's worker ranks until node 0 stops (they connect to
+    it, then take its steps); no server here. Returns the exit status: 0 when every rank ended cleanly."""
+    from pagedserve.engine.models.loader import load_config
+    from pagedserve.engine.models.resolver import resolve_model
+
+    model_path = resolve_model(config.model, config.revision, config.gguf_file).path
+    cfg = load_config(model_path)
+    device = config.torch_device()
+    dtype = resolve_dtype(config.dtype, device, config.kernel_policy)
+    max_len = config.max_model_len or cfg.max_position_embeddings
+    host, port = parse_dist_init_addr(config.dist_init_addr)
+    per_node = config.tensor_parallel_size // config.nnodes
+    first = config.node_rank * per_node
+    procs = spawn_ranks(config, model_path, dtype, max_len, device, range(first, first + per_node), host, port,
+                        None, None)
+    logger.info("node %d: tensor-parallel ranks %d..%d (pids %s), rank 0 at %s:%d", config.node_rank, first,
+                first + per_node - 1, [p.pid for p in procs], host, port)
+    try:
+        for proc in procs:
+            proc.join()
+    finally:  # interrupted: take the ranks down with this process
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=CLOSE_TIMEOUT_S)
+    return max((abs(p.exitcode or 0) for p in procs), default=0)
+
+
+def _shm_segment(size: int, device: torch.device) -> str | None:
+    """A shared-memory all-reduce segment where every rank is on this host's CPUs, it is supported, and
+    PAGEDSERVE_TP_SHM is not 0 (the switch that benchmarks gloo against it); else None (gloo)."""
+    if device.type != "cpu" or not shm_all_reduce.supported() or os.environ.get("PAGEDSERVE_TP_SHM", "1") == "0":
+        return None
+    try:
+        return shm_all_reduce.create_segment(size)
+    except OSError as e:  # e.g. a small /dev/shm: slower, not broken
+        logger.warning("tensor parallel: no shared-memory all-reduce (%s); gloo only", e)
+        return None
+
+
+def _shut_down(procs: list, conns: list, shm_name: str | None) -> None:
+    if shm_name is not None:  # normally unlinked once every rank mapped it; not if start-up failed before then
+        shm_all_reduce.unlink_segment(shm_name)
     for conn in conns:
         try:
             conn.send_bytes(pickle.dumps(None))
         except OSError:
             pass
+    procs = [p for p in procs if p is not None]  # another node's ranks exit on the None (or on EOF)
     deadline = time.monotonic() + CLOSE_TIMEOUT_S
     for proc in procs:
         proc.join(timeout=max(0.0, deadline - time.monotonic()))
