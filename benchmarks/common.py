@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -204,3 +205,10 @@ def trees(baseline_refs: list[str]) -> dict[str, Path | None]:
     for ref in baseline_refs:
         out[commit_of(ref)] = worktree(ref)
     return out
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now, for a server a benchmark starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -18,14 +18,13 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import statistics
 import threading
 import time
 
 import httpx
 
-from pagedserve.benchmarks.common import parser, table, write_json
+from pagedserve.benchmarks.common import free_port, parser, table, write_json
 from pagedserve.benchmarks.metrics import percentile
 from pagedserve.engine.machine import REPORTED_FLAGS, cpu
 
@@ -96,12 +95,6 @@ def wait_healthy(base: str, bound_s: float = 600) -> None:
                 return
         time.sleep(0.2)
     raise TimeoutError(f"{base} not healthy within {bound_s} s")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def single_stream_tpot(base: str, max_tokens: int, reps: int) -> float:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,12 +27,6 @@ import httpx
 from pagedserve.benchmarks import common, workloads
 from pagedserve.benchmarks import serve as bench
 from pagedserve.benchmarks.offline_throughput import run_offline
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main_thread_cpu_s(pid: int) -> float:
@@ -48,7 +41,7 @@ def main_thread_cpu_s(pid: int) -> float:
 
 def run_http(tree, serve_args: list[str], args) -> dict:
     """Start `tree`'s server, load it with the prose workload, stop it."""
-    port = free_port()
+    port = common.free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:

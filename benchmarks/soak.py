@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -34,12 +33,6 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "description": "th
 BAD = [b'{"messages": [', b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}',
        b'{"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}']
 MIX = {"chat_stream": 30, "completion": 25, "json_schema": 10, "tools": 10, "disconnect": 15, "bad": 10}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mb(pid: int) -> float:
@@ -138,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("serve_args", nargs="*", help="options for `pagedserve serve` (after --)")
     args = ap.parse_args(argv)
-    port = free_port()
+    port = common.free_port()
     server = subprocess.Popen([sys.executable, "-m", "pagedserve.server.cli", "serve", "--port", str(port),
                                "--log-level", "warning", *args.serve_args], stdout=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"

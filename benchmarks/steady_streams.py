@@ -24,7 +24,6 @@ import math
 import os
 import random
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -106,17 +105,11 @@ def summarize(results: list[dict], wall: float) -> dict:
             "max_gap_ms": max(gaps) * 1e3}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve(tree: Path | None, model: str, tokenizer: str | None, extra: list[str], log) -> tuple[subprocess.Popen, str]:
     """`pagedserve serve` from `tree` (None: this one) on a free loopback port; returns once /health is 200."""
     tree = tree or common.REPO
     module = "pagedserve.server" if (tree / "pagedserve").is_dir() else "server"  # before the package was named
-    port = free_port()
+    port = common.free_port()
     cmd = [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), "--model", model,
            "--log-level", "warning", *(["--tokenizer", tokenizer] if tokenizer else []), *extra]
     proc = subprocess.Popen(cmd, cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)), stdout=log,
