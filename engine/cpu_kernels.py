@@ -55,12 +55,16 @@ def build_key(cflags: list[str] | None = None) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
+def build_dir() -> Path:
+    """Where this build lives: one directory per build key."""
+    return cache_dir() / "extensions" / f"pagedserve_cpu_kernels_{build_key()}"
+
+
 @functools.cache
 def load() -> bool:
     """Build (or load the cached build of) the extension; False, with a logged warning, if it cannot."""
-    key = build_key()
-    name = f"pagedserve_cpu_kernels_{key}"
-    build = cache_dir() / "extensions" / name
+    build = build_dir()
+    name = build.name
     fresh = not any(build.glob("*.so"))
     if fresh:
         logger.info("building the C++ CPU kernels (first start on this machine only, about a minute) in %s", build)

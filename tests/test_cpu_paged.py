@@ -129,10 +129,9 @@ def test_a_build_killed_midway_does_not_hang_later_starts():
     import sys
 
     from pagedserve.engine import cpu_kernels
-    from pagedserve.engine.machine import cache_dir
 
     assert cpu_kernels.load()
-    stale = cache_dir() / "extensions" / f"pagedserve_cpu_kernels_{cpu_kernels.build_key()}" / "lock"
+    stale = cpu_kernels.build_dir() / "lock"
     stale.touch()
     code = "from pagedserve.engine import cpu_kernels; assert cpu_kernels.load()"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
