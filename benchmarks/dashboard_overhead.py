@@ -28,7 +28,6 @@ import httpx
 
 from pagedserve.benchmarks import common
 from pagedserve.benchmarks import serve as bench
-from pagedserve.benchmarks.serve_vs_offline import free_port
 
 POLL_PERIOD_S = 0.2  # 5 Hz
 
@@ -69,7 +68,7 @@ print(json.dumps({"polls": n, "poll_ms": latency * 1e3 / n, "state_bytes": size 
 
 
 def start_server(args) -> tuple[subprocess.Popen, str, object]:
-    port = free_port()
+    port = common.free_port()
     url = f"http://127.0.0.1:{port}"
     log = tempfile.TemporaryFile("w+")
     server = subprocess.Popen([sys.executable, "-m", "pagedserve.server", "serve", "--port", str(port),
