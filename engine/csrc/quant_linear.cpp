@@ -54,13 +54,12 @@ using pagedserve::widen;
 // add their high 2 bits in a plane beside them: per 32 codes of a panel, the 4 nibble steps (256 bytes) and then
 // 2 x 64 bytes of 2-bit pieces, byte 4r + i of piece h holding bits 4-5 of row r's codes 16h + i, 16h + 4 + i,
 // 16h + 8 + i, 16h + 12 + i in its bits 0-1, 2-3, 4-5, 6-7 (a step's two nibble halves, then the next step's).
-// They hold c + 32 for codes c in -32..31 (the 32 comes off with the bias term, as int8's 128 does), so a
+// They hold c + 32 for codes c in -32..31 (the 32 comes off each block's integer sum, as int8's 128 does), so a
 // 6-bit weight costs 6 bits, as in the file, and the GEMV does the int4 work plus two shifts and masks.
 // The activations are int8 codes with a scale per 32 values (llama.cpp's Q8_0: relative error <= 1/254 of the
 // block's absmax, ~0.5 % of a product), so one u8 x s8 vpdpbusd does 64 multiply-adds. int4 codes are u8 as
-// they are; int8 codes go in as c + 128, and 128 * sum(x) comes off with the bias term (below). The bias term
-// uses the same rounded activations, so those offsets cancel exactly. int32 lanes are exact: a 32-value block
-// adds at most 32 * 255 * 127.
+// they are; int8 codes go in as c + 128, and 128 times the block's sum of activation codes comes off the block's
+// int32 sum, exactly. int32 lanes are exact: a 32-value block adds at most 32 * 255 * 127.
 constexpr int64_t PANEL = 16;  // rows per panel
 constexpr int64_t XB = 32;  // activation values per scale
 
@@ -68,6 +67,7 @@ struct Int8Blocks {
   std::vector<int8_t> q;  // [M, K] (+ 4 bytes of slack for the last 4-byte broadcast)
   std::vector<float> scale;  // [M, K / XB]
   std::vector<float> xsum;  // [M, G]: per weight group the sum of the dequantized activation codes
+  std::vector<int32_t> isum;  // [M, K / 16]: per 16 values the sum of the codes (the weight codes' offset term)
 };
 
 template <typename T>
@@ -76,6 +76,7 @@ Int8Blocks quantize_blocks(const T* x, int64_t M, int64_t K, int64_t G) {
   r.q.assign(M * K + 4, 0);
   r.scale.assign(M * K / XB, 0.f);
   r.xsum.assign(M * G, 0.f);
+  r.isum.assign(M * K / 16, 0);
   const int64_t group = K / G;  // 16 or a multiple of 32: each 16 codes lie in one group
   float xf[XB];
   for (int64_t m = 0; m < M; ++m) {
@@ -103,7 +104,10 @@ Int8Blocks quantize_blocks(const T* x, int64_t M, int64_t K, int64_t G) {
         sum[i / 16] += q[i];
       }
       r.scale[m * K / XB + b] = scale;
-      for (int h = 0; h < 2; ++h) r.xsum[m * G + (b * XB + 16 * h) / group] += static_cast<float>(sum[h]) * scale;
+      for (int h = 0; h < 2; ++h) {
+        r.xsum[m * G + (b * XB + 16 * h) / group] += static_cast<float>(sum[h]) * scale;
+        r.isum[m * K / 16 + 2 * b + h] = sum[h];
+      }
     }
   }
   return r;
@@ -135,13 +139,16 @@ struct GroupValues {
       case at::kFloat: return _mm512_loadu_ps(static_cast<const float*>(v) + i);
       case at::kHalf:
         return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const at::Half*>(v) + i)));
-      default: {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(v) + i));
-        const __m512i c = type == at::kByte ? _mm512_cvtepu8_epi32(b) : _mm512_cvtepi8_epi32(b);
-        const __m256i f = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + (p * (G / per_d) + g / per_d) * PANEL));
-        return _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_cvtph_ps(f));
-      }
+      default: return _mm512_mul_ps(codes(p, g), factors(p, g));
     }
+  }
+  // 8-bit values only: the 16 rows' codes of group g, and the factor of the super-block holding it
+  __m512 codes(int64_t p, int64_t g) const {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(v) + (p * G + g) * PANEL));
+    return _mm512_cvtepi32_ps(type == at::kByte ? _mm512_cvtepu8_epi32(b) : _mm512_cvtepi8_epi32(b));
+  }
+  __m512 factors(int64_t p, int64_t g) const {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + (p * (G / per_d) + g / per_d) * PANEL)));
   }
 #endif
 };
@@ -205,6 +212,8 @@ inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupVal
     xs[m] = x.scale.data() + (m0 + m) * K / XB;
     f[m] = _mm512_setzero_ps();
   }
+  // the codes' offset (int8's 128 as u8, int6's 32), taken off each block's integer sum
+  constexpr int32_t OFFSET = BITS == 6 ? 32 : BITS == 8 && INT8_OFFSET ? 128 : 0;
   __m512 fg[MR];
   // NS steps from q (within one activation block and one group) into fg
   auto run = [&](auto ns, int64_t q0) {
@@ -248,23 +257,56 @@ inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupVal
         }
       }
     }
-    const int64_t blk = q0 * PER / XB;
-    for (int m = 0; m < MR; ++m)
-      fg[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(CH == 2 ? _mm512_add_epi32(t[m][0], t[m][CH - 1]) : t[m][0]),
-                              _mm512_set1_ps(xs[m][blk]), fg[m]);
+    const int64_t blk = q0 * PER / XB, half = q0 * PER / 16;
+    for (int m = 0; m < MR; ++m) {
+      __m512i acc = CH == 2 ? _mm512_add_epi32(t[m][0], t[m][CH - 1]) : t[m][0];
+      if constexpr (OFFSET != 0) {  // the codes' offset times the activation codes' sum, exact in int32
+        const int32_t* is = x.isum.data() + (m0 + m) * K / 16 + half;
+        acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(OFFSET * (NS * PER == 16 ? is[0] : is[0] + is[1])));
+      }
+      fg[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(xs[m][blk]), fg[m]);
+    }
   };
-  for (int64_t g = 0; g < G; ++g) {
-    for (int m = 0; m < MR; ++m) fg[m] = _mm512_setzero_ps();
-    if (spg < STEPS)
-      run(std::integral_constant<int, STEPS / 2>{}, g * spg);
-    else
-      for (int64_t q = g * spg; q < (g + 1) * spg; q += STEPS) run(std::integral_constant<int, STEPS>{}, q);
-    const __m512 sw = scale.load(p, g);
-    __m512 bw = bias.v ? bias.load(p, g) : _mm512_setzero_ps();
-    if constexpr (BITS == 8 && INT8_OFFSET) bw = _mm512_fmadd_ps(sw, _mm512_set1_ps(-128.f), bw);
-    if constexpr (BITS == 6) bw = _mm512_fmadd_ps(sw, _mm512_set1_ps(-32.f), bw);
-    for (int m = 0; m < MR; ++m)
-      f[m] = _mm512_fmadd_ps(fg[m], sw, _mm512_fmadd_ps(bw, _mm512_set1_ps(x.xsum[(m0 + m) * G + g]), f[m]));
+  // K-quants' sub-block values are small integers under one factor per super-block: a super-block's groups are
+  // summed under their codes and the factor multiplies once (fs, fb), which halves the per-group work that made
+  // them slower per weight than the formats with fp16 values.
+  const bool coded = scale.d != nullptr, coded_bias = coded && bias.d != nullptr && bias.per_d == scale.per_d;
+  const int64_t per = coded ? scale.per_d : 1;
+  const float* xsum[MR];
+  for (int m = 0; m < MR; ++m) xsum[m] = x.xsum.data() + (m0 + m) * G;
+  for (int64_t g0 = 0; g0 < G; g0 += per) {
+    __m512 fs[MR], fb[MR];
+    if (coded)
+      for (int m = 0; m < MR; ++m) fs[m] = fb[m] = _mm512_setzero_ps();
+    for (int64_t g = g0; g < g0 + per; ++g) {
+      for (int m = 0; m < MR; ++m) fg[m] = _mm512_setzero_ps();
+      if (spg < STEPS)
+        run(std::integral_constant<int, STEPS / 2>{}, g * spg);
+      else
+        for (int64_t q = g * spg; q < (g + 1) * spg; q += STEPS) run(std::integral_constant<int, STEPS>{}, q);
+      if (coded) {
+        const __m512 sw = scale.codes(p, g);
+        for (int m = 0; m < MR; ++m) fs[m] = _mm512_fmadd_ps(fg[m], sw, fs[m]);
+      } else {
+        const __m512 sw = scale.load(p, g);
+        for (int m = 0; m < MR; ++m) f[m] = _mm512_fmadd_ps(fg[m], sw, f[m]);
+      }
+      if (coded_bias) {
+        const __m512 bw = bias.codes(p, g);
+        for (int m = 0; m < MR; ++m) fb[m] = _mm512_fmadd_ps(bw, _mm512_set1_ps(xsum[m][g]), fb[m]);
+      } else if (bias.v) {
+        const __m512 bw = bias.load(p, g);
+        for (int m = 0; m < MR; ++m) f[m] = _mm512_fmadd_ps(bw, _mm512_set1_ps(xsum[m][g]), f[m]);
+      }
+    }
+    if (coded) {
+      const __m512 ds = scale.factors(p, g0);
+      for (int m = 0; m < MR; ++m) f[m] = _mm512_fmadd_ps(fs[m], ds, f[m]);
+    }
+    if (coded_bias) {
+      const __m512 db = bias.factors(p, g0);
+      for (int m = 0; m < MR; ++m) f[m] = _mm512_fmadd_ps(fb[m], db, f[m]);
+    }
   }
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y[m], f[m]);
 }
