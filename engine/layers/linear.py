@@ -38,6 +38,18 @@ class Route:
     run: Callable[[torch.Tensor], torch.Tensor]
 
 
+def gemm_rows(rows: int) -> int:
+    """The rows a many-row GEMM runs at: oneDNN builds a kernel for each GEMM shape it meets and keeps it for the
+    life of the process, so a server meeting every chunk length up to its token budget grew its heap by hundreds
+    of MiB over its first minutes (docs/performance.md). Above 64 rows, rounded up to a multiple of 16 (an AMX
+    tile's rows) below 512 and to 16 steps per doubling above, a projection meets a few dozen shapes, for at most
+    1/16 more rows."""
+    if rows <= 64:
+        return rows
+    step = 1 << max(4, rows.bit_length() - 5)
+    return -(-rows // step) * step
+
+
 class Linear(nn.Module):
     """x [rows, in_features] -> [rows, out_features]. Holds `weight` (dense) or `qweight` (quantized), not both."""
 
@@ -55,7 +67,9 @@ class Linear(nn.Module):
         rows = x.shape[0]
         for route in self.routes:
             if rows <= route.max_rows:
-                return route.run(x)
+                if route.max_rows < ANY or (padded := gemm_rows(rows)) == rows:
+                    return route.run(x)
+                return route.run(F.pad(x, (0, 0, 0, padded - rows)))[:rows]
         if self.qweight is not None:
             y = self.qweight.dequantized_gemm(x)
             return y if self.bias is None else y + self.bias
