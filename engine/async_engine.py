@@ -52,8 +52,9 @@ class AdmissionLimits:
 RATE_WINDOW = 64
 # How often a busy loop hands freed heap memory back (allocator.release_freed), and once on going idle: the
 # engine keeps freed blocks for reuse (engine/allocator.py), so without it the resident set creeps up over hours
-# of varied batch shapes by what the heap happens to hold free. Trimming costs milliseconds.
-TRIM_EVERY_S = 60.0
+# of varied batch shapes by what the heap happens to hold free, and between trims it holds what the steps since
+# freed. Trimming costs milliseconds.
+TRIM_EVERY_S = 20.0
 
 
 class _Stream:

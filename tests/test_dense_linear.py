@@ -64,3 +64,31 @@ def test_linear_routes_by_row_count(dtype, prepack, keep_plain):
         assert ((got - want).norm() / want.norm()).item() < TOL[dtype]
         ours = next(r for r in lin.routes if m <= r.max_rows).kernel == "dense GEMV (ours)"
         assert ours == (m <= table.dense_gemv_max_rows and keep_plain), m
+
+
+def test_many_row_gemms_meet_few_row_counts():
+    """Above 64 rows a GEMM runs at a bucketed row count (oneDNN keeps a kernel per shape it meets): every row
+    count from 65 to 2,048 maps to one of a few dozen, never fewer rows than asked nor more than 1/16 (or 15)
+    extra, and the padded rows never reach the caller."""
+    from pagedserve.engine.layers.linear import gemm_rows
+
+    assert [gemm_rows(r) for r in (1, 64)] == [1, 64]
+    seen = {gemm_rows(r) for r in range(65, 2049)}
+    assert len(seen) <= 64
+    for r in range(65, 4097):
+        assert r <= gemm_rows(r) <= max(r + 15, r + r // 16), r
+
+    lin = Linear(64, 48)
+    torch.nn.init.normal_(lin.weight)
+    lin.select_kernels(KernelTable(cpp=True), torch.device("cpu"), torch.float32)
+    rows_run = []
+    for i, r in enumerate(lin.routes):
+        lin.routes = (*lin.routes[:i], type(r)(r.max_rows, r.kernel,
+                                              lambda x, run=r.run: rows_run.append(len(x)) or run(x)),
+                      *lin.routes[i + 1:])
+    for m in (3, 65, 100, 513):
+        x = torch.randn(m, 64)
+        got = lin(x)
+        assert got.shape == (m, 48)
+        torch.testing.assert_close(got, F.linear(x, lin.weight))
+    assert rows_run == [3, 80, 112, 544]
