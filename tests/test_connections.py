@@ -33,6 +33,7 @@ def _json_error(reply: bytes, status: int) -> dict:
     return json.loads(body)["error"]
 
 
+@pytest.mark.slow  # load, flood or fuzz: the heavy tier
 def test_idle_and_slow_header_sockets_do_not_lock_users_out(make_engine):
     engine = make_engine(num_blocks=128)
     with running_server(engine, header_timeout_s=3.0, max_connections=1024) as (base, _):
@@ -101,6 +102,7 @@ def test_a_full_server_refuses_in_json_and_recovers(make_engine):
             pytest.fail("the server did not take connections again")
 
 
+@pytest.mark.slow  # load, flood or fuzz: the heavy tier
 def test_requests_that_cannot_start_in_time_get_429_and_retries_succeed(make_engine):
     """One sequence at a time and slowed steps: most of a burst cannot start within max_queue_wait_s. Each of
     those gets 429 + Retry-After (at admission once the start rate is measured, else when the bound passes);

@@ -26,6 +26,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.slow  # load, flood or fuzz: the heavy tier
 def test_batch_invariance_greedy(make_engine, smollm):
     """Each prompt alone == the same prompt inside 32 mixed requests arriving at different steps."""
     tok = smollm.tokenizer
@@ -91,6 +92,7 @@ def test_prefix_caching_computes_only_the_tail(make_engine, smollm):
     record_comparison("prefix-cache", cached["tokens"], fresh["tokens"], cached["logprobs"])
 
 
+@pytest.mark.slow  # load, flood or fuzz: the heavy tier
 def test_preemption_with_a_tiny_cache(make_engine, smollm):
     tok = smollm.tokenizer
     words = load_words()

@@ -202,6 +202,7 @@ def test_prefix_cache_shared_across_keys_when_asked(make_engine):
             assert r.status_code == 200 and (_hits(state) > before) == hit
 
 
+@pytest.mark.slow  # load, flood or fuzz: the heavy tier
 def test_a_huge_prompt_does_not_freeze_streams_or_health(make_engine):
     """While multi-megabyte prompts arrive, a running stream keeps getting tokens and /health answers: the
     oversized prompts are refused without being tokenized, and every refusal and several health checks

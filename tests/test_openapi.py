@@ -30,6 +30,7 @@ def api_schema(fuzz_server):
     return schemathesis.openapi.from_url(f"{base}/openapi.json")
 
 
+@pytest.mark.slow  # load, flood or fuzz: the heavy tier
 def test_fuzzed_requests_get_documented_answers(api_schema):
     """Every operation, with what the document allows (and what it does not): no 5xx, no undocumented status."""
     seen: dict[str, set[int]] = {}

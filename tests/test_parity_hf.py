@@ -1,7 +1,7 @@
 """Our Llama over the paged cache vs transformers on the real SmolLM2 weights, fp32."""
 
 import torch
-from conftest import greedy, record_comparison
+from conftest import greedy, hf_greedy, record_comparison
 
 from pagedserve.engine.tokenizer import apply_chat_template
 
@@ -56,11 +56,7 @@ def test_greedy_64_tokens_match_transformers_generate(make_engine, hf_model, smo
     from conftest import run_to_completion
 
     ours = run_to_completion(engine)
-    for i, ids in enumerate(prompts):
-        with torch.no_grad():
-            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                    max_new_tokens=64, do_sample=False, pad_token_id=0)  # stops at EOS, as we do
-        ref = out[0, len(ids):].tolist()
+    for i, ref in enumerate(hf_greedy(hf_model, prompts, 64, stop_at_eos=True)):
         record_comparison(f"hf-generate prompt {i}", ours[str(i)]["tokens"], ref, ours[str(i)]["logprobs"])
 
 
@@ -93,7 +89,7 @@ def test_bf16_greedy_matches_transformers_bf16(smollm):
         engine.add_request(str(i), ids, greedy(32))
     ours = run_to_completion(engine)
     results = []
-    for i, ids in enumerate(prompts):
+    for i, ids in enumerate(prompts):  # one by one: a padded bf16 batch rounds differently again
         with torch.no_grad():
             out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                               max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)

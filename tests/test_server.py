@@ -244,6 +244,7 @@ async def _stream(client: httpx.AsyncClient, base: str, max_tokens: int) -> dict
         return {"status": 200, "events": events, "finish": finish}
 
 
+@pytest.mark.slow  # load, flood or fuzz: the heavy tier
 def test_overload_gets_429_with_retry_after(make_engine):
     n = 3
     engine = make_engine(num_blocks=128, max_num_seqs=2)
@@ -400,6 +401,7 @@ def test_health_503_while_loading_and_after_engine_death(make_engine):
         thread.join(timeout=10)
 
 
+@pytest.mark.slow  # the load-test client end to end: the heavy tier
 def test_bench_against_live_pagedserve(make_engine, tmp_path, capsys):
     """`pagedserve bench` end to end: a tiny workload, every metric in the JSON; a 429 is counted."""
     from pagedserve.server.cli import main as cli_main
@@ -423,6 +425,7 @@ def test_bench_against_live_pagedserve(make_engine, tmp_path, capsys):
     assert result["output_throughput"] > 0
 
 
+@pytest.mark.slow  # load, flood or fuzz: the heavy tier
 def test_queued_token_limit(make_engine, smollm):
     """Past --max-queued-tokens of prompts waiting for their prefill, new requests get 429."""
     engine = make_engine(num_blocks=256, max_num_batched_tokens=64)  # a long prompt takes many steps

@@ -169,7 +169,7 @@ SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
 def test_tool_choice_forces_valid_calls_streamed_equals_non_streamed(client, choice):
     msgs = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
-    for t, seed in ((0.0, None), (1.0, 7), (1.0, 8)):
+    for t, seed in ((0.0, None), (1.0, 7)):
         kw = dict(messages=msgs, tools=TOOLS, tool_choice=choice, temperature=t, seed=seed, max_tokens=80,
                   parallel_tool_calls=False)
         msg, finish = _chat(client, False, **kw)
