@@ -79,26 +79,6 @@ def hf_model(smollm):
     return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
 
 
-def hf_greedy(hf, prompts: list[list[int]], max_new_tokens: int, *, stop_at_eos: bool) -> list[list[int]]:
-    """transformers' greedy continuations of every prompt, generated as one left-padded batch (one by one took
-    most of the parity tests' time); with stop_at_eos each ends at its first EOS, as ours do."""
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                          **({} if stop_at_eos else {"min_new_tokens": max_new_tokens}))
-    eos = hf.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
-    rows = out[:, width:].tolist()
-    if stop_at_eos:
-        rows = [row[:next((j + 1 for j, t in enumerate(row) if t in eos), len(row))] for row in rows]
-    return rows
-
-
 def run_to_completion(engine: LLMEngine, check=None) -> dict[str, dict]:
     """Step until idle; collect tokens, text, logprobs and finish reason per request id."""
     results: dict[str, dict] = {}

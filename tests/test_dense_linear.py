@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.engine.layers.dispatch import KernelTable
-from pagedserve.engine.layers.linear import Linear
+from pagedserve.engine.layers.linear import Linear, Route
 
 # relative error of the whole output against an fp32 reference: fp32 differs by summation order only; bf16 and
 # fp16 round the output once (2^-9 and 2^-12 relative at most), plus the fp32 sums
@@ -82,10 +82,8 @@ def test_many_row_gemms_meet_few_row_counts():
     torch.nn.init.normal_(lin.weight)
     lin.select_kernels(KernelTable(cpp=True), torch.device("cpu"), torch.float32)
     rows_run = []
-    for i, r in enumerate(lin.routes):
-        lin.routes = (*lin.routes[:i], type(r)(r.max_rows, r.kernel,
-                                              lambda x, run=r.run: rows_run.append(len(x)) or run(x)),
-                      *lin.routes[i + 1:])
+    lin.routes = tuple(Route(r.max_rows, r.kernel, lambda x, run=r.run: rows_run.append(len(x)) or run(x))
+                       for r in lin.routes)
     for m in (3, 65, 100, 513):
         x = torch.randn(m, 64)
         got = lin(x)
