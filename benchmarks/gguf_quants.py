@@ -5,10 +5,11 @@ The files are written here with gguf's writer, as llama.cpp's quantizer lays the
 Q4_K_M keeps the LM head and about half the layers' attn_v/ffn_down in Q6_K), with random blocks (random codes,
 small fp16 scales): speed and memory do not depend on the values. Each load runs in a fresh process and reports
 the resident memory it added (RSS), the weight bytes held, and the median time per token of one greedy stream.
-Rounds alternate the files; medians are reported. The bars: Q4_K_M resident <= 1.15x its file, TPOT <= 1.1x
-Q4_0's.
+Rounds alternate the files (and the trees: this one and each --baseline-ref commit's, on the same files); medians
+are reported. The bars: Q4_K_M resident <= 1.15x its file, TPOT <= 1.1x Q4_0's.
 
-    python benchmarks/gguf_quants.py [--shape tinyllama-1.1b] [--types Q4_0,Q4_K_M,...] [--rounds 3] [--json out]
+    python benchmarks/gguf_quants.py [--shape tinyllama-1.1b] [--types Q4_0,Q4_K_M,...] [--rounds 3]
+        [--baseline-ref GIT_REF] [--json out]
 """
 
 from __future__ import annotations
@@ -140,12 +141,13 @@ print(json.dumps({"load_s": load_s, "resident_mib": resident / 2**20, "weight_mi
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = common.parser(__doc__, rounds=3, baseline=False)
+    ap = common.parser(__doc__, rounds=3)
     ap.add_argument("--shape", default="tinyllama-1.1b", choices=list(SHAPES))
     ap.add_argument("--types", default=",".join(FTYPES), help=f"file types ({', '.join(FTYPES)})")
     ap.add_argument("--tokens", type=int, default=48, help="decoded tokens per timed stream")
     args = ap.parse_args(argv)
     types = [t.strip() for t in args.types.split(",") if t.strip()]
+    trees = common.trees(args.baseline_ref)
     with tempfile.TemporaryDirectory() as tmp:
         files, mixes = {}, {}
         for t in types:
@@ -155,19 +157,25 @@ def main(argv: list[str] | None = None) -> None:
         no_tok = os.path.join(tmp, "no-tokenizer")
         os.makedirs(no_tok)
 
-        def contestant(t: str):
+        def contestant(t: str, tree):
             job = {"path": files[t], "no_tokenizer": no_tok, "tokens": args.tokens}
-            return lambda: common.run_worker(None, WORKER, json.dumps(job))
+            return lambda: common.run_worker(tree, WORKER, json.dumps(job))
 
-        results = common.interleaved(args.rounds, {t: contestant(t) for t in types})
-        med = {t: common.medians(r) for t, r in results.items()}
+        # each contestant a (tree, type): "Q4_K_M" in this tree, "Q4_K_M @ <commit>" in a baseline's
+        names = {(label, t): t if label == "this" else f"{t} @ {label}" for label in trees for t in types}
+        results = common.interleaved(args.rounds, {names[label, t]: contestant(t, tree)
+                                                   for label, tree in trees.items() for t in types})
+        med = {n: common.medians(r) for n, r in results.items()}
         sizes = {t: os.path.getsize(files[t]) / 2**20 for t in types}
-    base = med.get("Q4_0")
-    rows = [[t, f"{sizes[t]:.0f}", f"{m['weight_mib']:.0f}", f"{m['resident_mib']:.0f}",
-             f"{m['resident_mib'] / sizes[t]:.2f}x", f"{m['load_s']:.1f}", f"{m['tpot_ms']:.1f}",
-             common.ratio(m["tpot_ms"], base["tpot_ms"] if base else None)] for t, m in med.items()]
+    rows = []
+    for (label, t), n in names.items():
+        m, base, this = med[n], med.get(names.get((label, "Q4_0"))), med[names["this", t]]
+        rows.append([n, f"{sizes[t]:.0f}", f"{m['weight_mib']:.0f}", f"{m['resident_mib']:.0f}",
+                     f"{m['resident_mib'] / sizes[t]:.2f}x", f"{m['load_s']:.1f}", f"{m['tpot_ms']:.1f}",
+                     common.ratio(m["tpot_ms"], base["tpot_ms"] if base else None),
+                     common.ratio(m["tpot_ms"], this["tpot_ms"])])
     text = common.table(["type", "file MiB", "weights MiB", "resident +MiB", "resident/file", "load s", "TPOT ms",
-                         "TPOT vs Q4_0"], rows,
+                         "TPOT vs Q4_0", "TPOT vs this"], rows,
                         f"GGUF types at their own bits, {args.shape} shape, random blocks "
                         f"(medians of {args.rounds} interleaved rounds)")
     common.write_json(args.json, {"shape": args.shape, "files_mib": sizes, "mixes": mixes, "results": results,

@@ -162,6 +162,18 @@ inline int64_t step_offset(int64_t q) {
 }
 inline int64_t pieces_offset(int64_t q) { return (q / 4) * BLOCK6 + 256 + ((q % 4) / 2) * 64; }
 
+// A GEMV's time is the time to stream its weights in, and on its own one core keeps too few cache-line reads in
+// flight to reach the memory's speed: each step asks for the line PREFETCH_AHEAD bytes further on in the panels
+// (contiguous, so the distance runs on into the next panel). Distances from 3 to 8 KiB measured alike; 512 bytes
+// and 16 KiB did less (benchmarks/kernels/bench_quant_linear.py --cold; figures in docs/performance.md).
+constexpr int64_t PREFETCH_AHEAD = 4096;
+template <int BITS>
+inline void prefetch_step(const uint8_t* c, int64_t q) {
+  const char* at = reinterpret_cast<const char*>(c) + q * (BITS == 6 ? 96 : 64) + PREFETCH_AHEAD;
+  __builtin_prefetch(at, 0, 3);
+  if constexpr (BITS == 6) __builtin_prefetch(at + 64, 0, 3);  // 1.5 lines a step: two cover them all
+}
+
 // code j (0 .. 8, or 4 for int8) of row r in step q
 template <int BITS>
 inline int32_t panel_code(const uint8_t* c, int64_t q, int64_t r, int j) {
@@ -226,6 +238,7 @@ inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupVal
       for (int h = 0; h < CH; ++h) t[m][h] = _mm512_setzero_si512();
     for (int s = 0; s < NS; ++s) {
       const int64_t q = q0 + s;
+      prefetch_step<BITS>(c, q);
       const __m512i b = _mm512_loadu_si512(c + step_offset<BITS>(q));
       if constexpr (BITS != 8) {
         __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
@@ -329,6 +342,7 @@ inline void panel_dot(const uint8_t* c, const GroupValues& scale, const GroupVal
         __m256i t[MR];
         for (int m = 0; m < MR; ++m) t[m] = _mm256_setzero_si256();
         for (int64_t q = q0; q < q0 + run; ++q) {
+          if (h == 0) prefetch_step<BITS>(c, q);  // the second half's pass finds the panel in cache
           const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + step_offset<BITS>(q) + 32 * h));
           if constexpr (BITS != 8) {
             __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);

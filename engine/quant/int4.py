@@ -16,10 +16,10 @@ from pagedserve.engine.quant.layouts import (
     PANEL,
     from_panels,
     pack_nibbles,
-    rows_from_panels,
     rows_to_panels,
     to_panels,
     unpack_nibbles,
+    value_rows,
 )
 from pagedserve.engine.quant.weight import QuantWeight, group_values, grouped, narrow_values
 
@@ -71,21 +71,16 @@ class Int4Weight(QuantWeight):
         group = length if dim == 1 and self.group == k else self.group
         return Int4Weight(codes.clone(), values[0], values[1], self.format, group, *values[2:])
 
-    def _values(self, name: str) -> torch.Tensor | None:
-        v = getattr(self, name)
-        return rows_from_panels(v, self.shape[0]) if v is not None and self.layout == "panels" else v
-
-    def _scale_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 [N, G] scale and bias (per-tensor expanded to one group per row)."""
-        scale = group_values(self._values("scale"), self._values("scale_d"))
-        if scale.shape[0] == 1:
-            scale = scale.expand(self.shape[0], self.shape[1] // self.group)
-        bias = self._values("bias")
-        return scale, (-8 * scale if bias is None else group_values(bias, self._values("bias_d")))
+    def _scale_bias(self, rows: torch.Tensor | slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 [R, G] scale and bias of `rows` (per-tensor: one group per row)."""
+        at = lambda name: value_rows(getattr(self, name), rows, self.shape[0], self.layout == "panels")
+        scale = group_values(at("scale"), at("scale_d"))
+        bias = at("bias")
+        return scale, (-8 * scale if bias is None else group_values(bias, at("bias_d")))
 
     def _dense(self, codes: torch.Tensor, rows: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized row-major packed codes [R, K/2] of rows `rows`."""
-        scale, bias = (t[rows] for t in self._scale_bias())
+        scale, bias = self._scale_bias(rows)
         n, k = codes.shape[0], codes.shape[1] * 2
         c = unpack_nibbles(codes).float().view(n, -1, k // scale.shape[1])
         return (c * scale[:, :, None] + bias[:, :, None]).view(n, k).to(dtype)

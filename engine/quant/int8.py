@@ -23,8 +23,8 @@ from pagedserve.engine.quant.layouts import (
     int6_to_panels,
     int8_from_panels,
     int8_to_panels,
-    rows_from_panels,
     rows_to_panels,
+    value_rows,
 )
 from pagedserve.engine.quant.weight import QuantWeight, group_values, narrow_values
 
@@ -69,21 +69,16 @@ class Int8Weight(QuantWeight):
         w.code_bits = self.code_bits  # a shard keeps the whole matrix's code width (its kernels, its bits)
         return w
 
-    def _values(self, name: str) -> torch.Tensor | None:
-        v = getattr(self, name)
-        return rows_from_panels(v, self.shape[0]) if v is not None and self.layout == "panels" else v
-
     def _dense(self, q: torch.Tensor, rows: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized codes q [R, K] of rows `rows`."""
-        scale, bias, scale_d, bias_d = (self._values(n) for n in VALUES)
-        if scale.shape[0] == 1:
-            scale = scale.expand(self.shape[0], -1)
-        s = group_values(scale, scale_d)[rows]
+        scale, bias, scale_d, bias_d = (value_rows(getattr(self, n), rows, self.shape[0], self.layout == "panels")
+                                        for n in VALUES)
+        s = group_values(scale, scale_d)
         n, k = q.shape
         g = s.shape[1]
         w = q.float().view(n, g, k // g) * s[:, :, None]
         if bias is not None:
-            w = w + group_values(bias, bias_d)[rows][:, :, None]
+            w = w + group_values(bias, bias_d)[:, :, None]
         return w.view(n, k).to(dtype)
 
     def _codes(self) -> torch.Tensor:

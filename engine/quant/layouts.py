@@ -61,6 +61,16 @@ def rows_from_panels(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.transpose(1, 2).reshape(n, -1)
 
 
+def value_rows(v: torch.Tensor | None, rows: torch.Tensor | slice, n: int, panels: bool) -> torch.Tensor | None:
+    """Per-group values [R, G] of `rows` (int64 ids or a slice) from v [N, G], [1, G] (one for every row) or, in
+    panels, [N/16, G, 16]. Only the rows asked for: an embedding lookup costs its tokens, not the vocabulary."""
+    if v is None:
+        return None
+    if panels:
+        return rows_from_panels(v, n)[rows] if isinstance(rows, slice) else v[rows // PANEL, :, rows % PANEL]
+    return v.expand(n, -1)[rows] if v.shape[0] == 1 else v[rows]
+
+
 def int6_to_panels(q: torch.Tensor) -> torch.Tensor:
     """int8 codes -32..31 [N, K] -> our int6 kernels' layout [N/16, 12K] of c + 32: per 32 codes of a panel, the
     int4 layout's 4 steps of their low 4 bits (256 bytes), then 2 x 64 bytes of their high 2 bits: byte 4r + i of
