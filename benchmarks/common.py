@@ -183,6 +183,14 @@ def worktree(ref: str) -> Path:
     if not (path / "engine").is_dir():
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--force", str(path), sha],
                        check=True, capture_output=True)
+    # A tree with the `pagedserve` package maps pagedserve.engine etc. onto its top-level folders through the
+    # install's package-dir, which points at this checkout: with PYTHONPATH=path alone, `pagedserve` would come
+    # from the tree and `pagedserve.engine` from here. Links inside the tree's package keep every import in it.
+    if (path / "pagedserve").is_dir():
+        for name in ("engine", "server", "benchmarks"):
+            link = path / "pagedserve" / name
+            if not link.exists():
+                link.symlink_to(Path("..") / name)
     return path
 
 
