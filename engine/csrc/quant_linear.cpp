@@ -164,8 +164,8 @@ inline int64_t pieces_offset(int64_t q) { return (q / 4) * BLOCK6 + 256 + ((q % 
 
 // A GEMV's time is the time to stream its weights in, and on its own one core keeps too few cache-line reads in
 // flight to reach the memory's speed: each step asks for the line PREFETCH_AHEAD bytes further on in the panels
-// (contiguous, so the distance runs on into the next panel). Distances from 3 to 8 KiB measured alike; 512 bytes
-// and 16 KiB did less (benchmarks/kernels/bench_quant_linear.py --cold; figures in docs/performance.md).
+// (contiguous, so the distance runs on into the next panel). Distances from 3 to 8 KiB measured alike, 512 bytes
+// and 16 KiB less (benchmarks/kernels/bench_gguf_gemv.py; figures in docs/performance.md).
 constexpr int64_t PREFETCH_AHEAD = 4096;
 template <int BITS>
 inline void prefetch_step(const uint8_t* c, int64_t q) {
