@@ -46,7 +46,6 @@ def test_logits_match_transformers(make_engine, hf_model, smollm):
         assert diff <= 1e-3, f"{prompt[:30]!r}: max abs logit diff {diff:.2e}"
 
 
-
 def _hf_greedy(hf, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy continuations, generated as one left-padded batch (one by one took most of this
     module's time), each ending at its first EOS as ours do."""

@@ -27,11 +27,13 @@ from pagedserve.engine.quant.int8 import Int8Weight
 CPU = torch.device("cpu")
 
 
-def panels(kind: str, n: int, k: int, rng: np.random.Generator):
+def storage(kind: str, n: int, k: int, rng: np.random.Generator):
+    """Random `kind` blocks as our storage (not yet laid out)."""
     return GGUFBlocks(kind, random_blocks(kind, n, k, rng), (n, k)).storage()
 
 
-def laid_out(w):
+def panels(w):
+    """`w` laid out in our kernels' panels."""
     w.lay_out(CPU, True) if isinstance(w, Int8Weight) else w.lay_out(CPU, "panels")
     return w
 
@@ -47,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     shape = (5632, 2048)
-    sets = {t: [laid_out(panels(t, *shape, rng)) for _ in range(args.copies)] for t in args.types.split(",")}
+    sets = {t: [panels(storage(t, *shape, rng)) for _ in range(args.copies)] for t in args.types.split(",")}
     sets["Q4_K_M q/k/v + Q6_K v"] = [
-        laid_out(formats.cat([panels("Q4_K", 2048, 2048, rng), panels("Q4_K", 256, 2048, rng),
-                              panels("Q6_K", 256, 2048, rng)])) for _ in range(args.copies)]
+        panels(formats.cat([storage(t, n, 2048, rng) for t, n in (("Q4_K", 2048), ("Q4_K", 256), ("Q6_K", 256))]))
+        for _ in range(args.copies)]
     x = torch.randn(1, shape[1], dtype=torch.bfloat16)
     best = best_us(args.rounds, {t: lambda ws=ws: [w.gemv(x) for w in ws] for t, ws in sets.items()}, args.copies)
     rows = []
