@@ -7,8 +7,9 @@ build fails, `load()` logs a warning and returns False, and every layer keeps it
 PAGEDSERVE_REQUIRE_KERNELS=1 (the test suite, CI) a failed build raises instead, so a broken kernel can never
 pass as a skipped one.
 
-Ops registered (torch.ops.pagedserve.*): paged_attention; dense_linear; int8_linear, int4_linear, int8_gemm,
-int4_gemm; rms_norm, add_rms_norm, rope_, silu_and_mul; decode_layer.
+Ops registered (torch.ops.pagedserve.*): paged_attention; dense_linear; int8_linear, int4_linear, int6_linear,
+int8_gemm, int4_gemm, int6_gemm, their AMX forms int8_amx_gemm, int4_amx_gemm, int6_amx_gemm and amx_int8 (whether
+this build and CPU run them); rms_norm, add_rms_norm, rope_, silu_and_mul; decode_layer.
 """
 
 from __future__ import annotations
@@ -92,3 +93,10 @@ def load() -> bool:
         return False
     logger.info("C++ CPU kernels %s in %.1fs", "built" if fresh else "loaded", time.perf_counter() - t0)
     return True
+
+
+def amx_int8() -> bool:
+    """Whether the loaded kernels run the AMX-INT8 GEMMs: built for a CPU with AMX, and the OS granted the tiles."""
+    import torch
+
+    return bool(torch.ops.pagedserve.amx_int8())

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedserve.engine import cpu_kernels
 from pagedserve.engine.layers.dispatch import KernelTable, kernel_table
 from pagedserve.engine.layers.linear import Linear
 from pagedserve.engine.machine import cpu
@@ -179,6 +180,92 @@ def test_int4_without_our_kernel_matches(zero):
         x = torch.randn(m, 128)
         assert _rel(lin_ours(x), x @ ref_w.t()) < GEMV_TOL * 2
         assert _rel(lin_theirs(x), x @ ref_w.t()) < TOL[theirs.kernel_dtype] * 2
+
+
+AMX = pytest.mark.skipif(not (torch.ops.pagedserve.amx_int8() if cpu_kernels.load() else False),
+                         reason="this CPU has no AMX-INT8 (the GEMM's other paths are tested on every CPU)")
+AMX_TABLE = KernelTable(cpp=True, quant_gemm_amx=True)
+# x and W both as int8 codes with a scale per row, smoothed per channel: ~1e-2 for Gaussian x (measured 1.1e-2)
+AMX_TOL = 3e-2
+
+
+def _amx_weights() -> list:
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 192, generator=gen) * 0.05  # 3 panels: a pair and a single one
+    return [Int4Weight.quantize(w, 32), _q4_1(w), Int8Weight.quantize(w)]
+
+
+def _q4_1(w: torch.Tensor) -> Int4Weight:
+    """An asymmetric int4 weight (llama.cpp's Q4_1: a scale and a bias per 32)."""
+    g = w.view(w.shape[0], -1, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-6)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)
+    return Int4Weight(pack_nibbles(q.view_as(w)), scale.half(), lo.half(), "int4", 32)
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_column_absmax_matches_dequantize(which):
+    qw = _amx_weights()[which]
+    linear(qw, torch.float32, AMX_TABLE)  # lays out the panels and takes the maxima
+    assert torch.equal(qw.column_max, qw.dequantize(torch.float32).abs().amax(0))
+
+
+def test_amx_route_choice():
+    """Decoder projections with K in whole tiles take the AMX GEMM above the GEMV's rows; the LM head
+    (`row_int8=False`) and a K of 32 keep the bf16 tiles."""
+    qw = _amx_weights()[0]
+    assert "rows 65+: int4 AMX-INT8 GEMM (ours)" in linear(qw, torch.float32, AMX_TABLE).describe_routes()
+    head = Linear(192, 48, row_int8=False)
+    head.quantize_to(_amx_weights()[0])
+    head.select_kernels(AMX_TABLE, torch.device("cpu"), torch.float32)
+    assert "rows 65+: int4 tiled GEMM (ours)" in head.describe_routes()
+    odd = Int4Weight.quantize(torch.randn(16, 96), 32)
+    assert "tiled GEMM" in linear(odd, torch.float32, AMX_TABLE).describe_routes()
+
+
+@AMX
+@pytest.mark.parametrize("which", range(3))
+@pytest.mark.parametrize("dtype", ACT_DTYPES)
+@pytest.mark.parametrize("m", [65, 97, 200])
+def test_amx_gemm_matches_reference(which, dtype, m):
+    """Every row count (tails of the 32-row blocks), the three panel formats, a column of x all zero and one 50x
+    the rest (what the smoothing is for): the AMX GEMM against x @ dequantize(W)^T."""
+    qw = _amx_weights()[which]
+    lin = linear(qw, dtype, AMX_TABLE)
+    assert "AMX-INT8" in lin.describe_routes()
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 192, generator=gen)
+    x[:, 7] = 0
+    x[:, 11] *= 50
+    x = x.to(dtype)
+    ref = x.float() @ qw.dequantize(torch.float32).t()
+    y = lin(x)
+    assert y.dtype == dtype and _rel(y, ref) < AMX_TOL
+    assert torch.equal(y, lin(x))  # deterministic
+    assert torch.equal(lin(x[:40]), linear(qw, dtype)(x[:40]))  # the GEMV rows are untouched
+
+
+@AMX
+def test_amx_engine_agrees_with_bf16_tiles(smollm):
+    """The bundled model's prompt logprobs with the AMX GEMM against the bf16-tile GEMM: top-1 the same at nearly
+    every position (perplexity within 1 %: `pagedserve eval`, docs/performance.md)."""
+    from pagedserve.engine import LLM, SamplingParams
+
+    text = "The quick brown fox jumps over the lazy dog. " * 6 + "Once upon a time, in a land far away, there lived"
+    ids = smollm.tokenizer.encode(text * 2, add_special_tokens=False)[:160]
+    sp = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    outs = []
+    for policy in ("quant_gemm_amx=off", "quant_gemm_amx=on"):
+        llm = LLM(smollm.path, dtype="float32", kernel_policy=policy, memory_gib=0.25)
+        routes = llm.engine.runner.model.layers[0].mlp.gate_up_proj.describe_routes()
+        assert ("AMX-INT8" in routes) == policy.endswith("on")
+        outs.append(llm.generate([ids], sp)[0].prompt_logprobs[1:])
+        del llm
+    same = sum(a.top[0][0] == b.top[0][0] for a, b in zip(*outs))
+    assert same >= 0.95 * len(outs[0])
+    lp = [(a.logprob, b.logprob) for a, b in zip(*outs)]
+    assert abs(sum(a for a, _ in lp) - sum(b for _, b in lp)) / len(lp) < 0.05  # mean logprob within 0.05 nats
 
 
 def test_fused_rows():

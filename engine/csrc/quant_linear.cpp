@@ -27,6 +27,11 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAGEDSERVE_AVX512 1
 #endif
+#if defined(PAGEDSERVE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define PAGEDSERVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -588,58 +593,68 @@ inline void dequant_panel_row(const uint8_t* c, int64_t r, const float* sc, cons
 }
 #endif
 
+// row r of panel p back to K values in o, given its groups' scales sc and biases bi
+template <int BITS, typename T>
+void dequant_row(const uint8_t* codes, int64_t p, int64_t r, const float* sc, const float* bi, int64_t K,
+                 int64_t group, T* o) {
+  constexpr int PER = BITS == 8 ? 4 : 8;
+  const uint8_t* c = codes + p * PANEL * K * BITS / 8;
+  if constexpr (BITS == 6) {  // per 32 codes: the 4 nibble steps and their 2 pieces, then scale and bias
+    uint8_t code[XB];
+    for (int64_t b = 0; b < K / XB; ++b) {
+      const uint8_t* blk = c + b * BLOCK6 + 4 * r;
+      for (int s = 0; s < 4; ++s)
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t byte = blk[64 * s + i], piece = blk[256 + 64 * (s / 2) + i] >> (4 * (s % 2));
+          code[8 * s + i] = (byte & 15) | ((piece & 3) << 4);
+          code[8 * s + 4 + i] = (byte >> 4) | (((piece >> 2) & 3) << 4);
+        }
+      for (int64_t i = 0; i < XB; ++i) {
+        const int64_t g = (b * XB + i) / group;
+        o[b * XB + i] = narrow<T>(static_cast<float>(code[i] - 32) * sc[g] + bi[g]);
+      }
+    }
+    return;
+  }
+#ifdef PAGEDSERVE_AVX512
+  if constexpr (!std::is_same_v<T, double>) {
+    dequant_panel_row<BITS>(c, r, sc, bi, K, group, o);
+    return;
+  }
+#endif
+  for (int64_t q = 0; q < K / PER; ++q)
+    for (int64_t i = 0; i < 4; ++i) {
+      const uint8_t byte = c[q * 64 + 4 * r + i];
+      const int64_t g = PER * q / group;
+      if constexpr (BITS == 4) {
+        o[8 * q + i] = narrow<T>(static_cast<float>(byte & 15) * sc[g] + bi[g]);
+        o[8 * q + 4 + i] = narrow<T>(static_cast<float>(byte >> 4) * sc[g] + bi[g]);
+      } else {
+        o[4 * q + i] = narrow<T>(static_cast<float>(static_cast<int8_t>(byte)) * sc[g] + bi[g]);
+      }
+    }
+}
+
+// row r of panel p's group scales and biases, in fp32
+inline void row_values(const GroupValues& scale, const GroupValues& bias, int64_t G, int64_t p, int64_t r, float* sc,
+                       float* bi) {
+  for (int64_t g = 0; g < G; ++g) {
+    sc[g] = scale.value(p, g, r);
+    bi[g] = bias.v ? bias.value(p, g, r) : 0.f;
+  }
+}
+
 // rows n0..n1 (multiples of 16) of the panels, dequantized into buf [n1 - n0, K]
 template <int BITS, typename T>
 void dequant_rows(const uint8_t* codes, const GroupValues& scale, const GroupValues& bias, int64_t K, int64_t G,
                   int64_t n0, int64_t n1, T* buf) {
-  constexpr int PER = BITS == 8 ? 4 : 8;
-  const int64_t group = K / G;
   at::parallel_for(n0 / PANEL, n1 / PANEL, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> sc(G), bi(G, 0.f);
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint8_t* c = codes + p * PANEL * K * BITS / 8;
+    std::vector<float> sc(G), bi(G);
+    for (int64_t p = p0; p < p1; ++p)
       for (int64_t r = 0; r < PANEL; ++r) {
-        T* o = buf + (p * PANEL + r - n0) * K;
-        for (int64_t g = 0; g < G; ++g) {
-          sc[g] = scale.value(p, g, r);
-          if (bias.v) bi[g] = bias.value(p, g, r);
-        }
-        if constexpr (BITS == 6) {  // per 32 codes: the 4 nibble steps and their 2 pieces, then scale and bias
-          uint8_t code[XB];
-          for (int64_t b = 0; b < K / XB; ++b) {
-            const uint8_t* blk = c + b * BLOCK6 + 4 * r;
-            for (int s = 0; s < 4; ++s)
-              for (int i = 0; i < 4; ++i) {
-                const uint8_t byte = blk[64 * s + i], piece = blk[256 + 64 * (s / 2) + i] >> (4 * (s % 2));
-                code[8 * s + i] = (byte & 15) | ((piece & 3) << 4);
-                code[8 * s + 4 + i] = (byte >> 4) | (((piece >> 2) & 3) << 4);
-              }
-            for (int64_t i = 0; i < XB; ++i) {
-              const int64_t g = (b * XB + i) / group;
-              o[b * XB + i] = narrow<T>(static_cast<float>(code[i] - 32) * sc[g] + bi[g]);
-            }
-          }
-          continue;
-        }
-#ifdef PAGEDSERVE_AVX512
-        if constexpr (!std::is_same_v<T, double>) {
-          dequant_panel_row<BITS>(c, r, sc.data(), bi.data(), K, group, o);
-          continue;
-        }
-#endif
-        for (int64_t q = 0; q < K / PER; ++q)
-          for (int64_t i = 0; i < 4; ++i) {
-            const uint8_t byte = c[q * 64 + 4 * r + i];
-            const int64_t g = PER * q / group;
-            if constexpr (BITS == 4) {
-              o[8 * q + i] = narrow<T>(static_cast<float>(byte & 15) * sc[g] + bi[g]);
-              o[8 * q + 4 + i] = narrow<T>(static_cast<float>(byte >> 4) * sc[g] + bi[g]);
-            } else {
-              o[4 * q + i] = narrow<T>(static_cast<float>(static_cast<int8_t>(byte)) * sc[g] + bi[g]);
-            }
-          }
+        row_values(scale, bias, G, p, r, sc.data(), bi.data());
+        dequant_row<BITS>(codes, p, r, sc.data(), bi.data(), K, K / G, buf + (p * PANEL + r - n0) * K);
       }
-    }
   });
 }
 
@@ -667,6 +682,277 @@ at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
     at::mm_out(dst, a.x, t.t());
   }
   return out;
+}
+
+
+// ---- many rows on AMX: int8 activations times int8 weights ------------------------------------------------
+// AMX multiplies u8 by s8 at twice its bf16 rate, so a prefill-sized GEMM runs on int8 codes of both sides: each
+// activation row gets one scale (its absmax / 127; u8 codes c + 128, the 128 taken off through the weights' code
+// sums), and each weight row one scale, its codes re-quantized from the group values per call (no resident int8
+// copy: it would double a 4-bit model's memory). One scale per activation row alone lost 3-4 % perplexity: a few
+// channels carry most of the range. So, as SmoothQuant does, channel k of x is divided by
+// f_k = sqrt(max_m |x_mk| / max_n |w_nk|) and column k of W multiplied by it (the product is unchanged), which
+// evens the ranges of both sides; the activations' maxima are this call's, the weights' measured once at load
+// (panel_column_absmax). An int8 panel step is exactly an AMX B tile's row (16 output
+// rows of 4 consecutive codes), so a re-quantized panel is 16 K-steps of 1 KiB tiles laid end to end.
+#ifdef PAGEDSERVE_AMX
+constexpr int64_t AMX_K = 64;  // codes per tile row
+constexpr int64_t AMX_KB = 1024;  // codes of K per pass: 32 rows' worth of activations stay in L1
+constexpr int64_t AMX_BLOCK_KIB = 1024;  // a thread's re-quantized weight block: L2-sized, reused by every row block
+
+bool amx_permitted() {
+  static const bool ok = [] {  // Linux hands out the tile state only on request (once per process)
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-3: a 32 x 32 int32 block of the output; 4-5: 2 x 16 activation rows; 6-7: 2 panels of weights
+inline void configure_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+  _tile_loadconfig(&c);
+}
+
+// rows of x -> u8 codes (c + 128, rows M..Mp of zeros) at a row stride of lda, and a scale per row
+template <typename T>
+void quantize_rows_u8(const T* x, int64_t M, int64_t Mp, int64_t K, int64_t lda, const float* inv_f, uint8_t* q,
+                      float* scale) {
+  at::parallel_for(0, Mp, 16, [&](int64_t m0, int64_t m1) {
+    std::vector<float> row(K);
+    for (int64_t m = m0; m < m1; ++m) {
+      uint8_t* o = q + m * lda;
+      if (m >= M) {
+        std::memset(o, 128, K);
+        continue;
+      }
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) {
+        for (int i = 0; i < 16; ++i) row[k + i] = widen(x[m * K + k + i]);
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(row.data() + k), _mm512_loadu_ps(inv_f + k));
+        _mm512_storeu_ps(row.data() + k, v);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+      }
+      const float a = _mm512_reduce_max_ps(amax);
+      scale[m] = a / 127.f;
+      const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
+      const __m512i off = _mm512_set1_epi32(128);
+      for (int64_t k = 0; k < K; k += 16) {
+        const __m512i c = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row.data() + k), inv)), off);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + k), _mm512_cvtusepi32_epi8(c));
+      }
+    }
+  });
+}
+
+// max_m |x_mk| per column k
+template <typename T>
+std::vector<float> column_absmax(const T* x, int64_t M, int64_t K) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> part(threads * K, 0.f);
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+    float* mx = part.data() + at::get_thread_num() * K;
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t k = 0; k < K; k += 16) {  // K: a multiple of 64
+        float v[16];
+        for (int i = 0; i < 16; ++i) v[i] = widen(x[m * K + k + i]);
+        _mm512_storeu_ps(mx + k, _mm512_max_ps(_mm512_loadu_ps(mx + k), _mm512_abs_ps(_mm512_loadu_ps(v))));
+      }
+  });
+  for (int64_t t = 1; t < threads; ++t)
+    for (int64_t k = 0; k < K; ++k) part[k] = std::max(part[k], part[t * K + k]);
+  part.resize(K);
+  return part;
+}
+
+// panels p0..p1 re-quantized to int8 with a scale per row: w8 [p1 - p0, K / 4, 64] (an int8 panel), scale and the
+// sum of each row's codes [16 (p1 - p0)]
+template <int BITS>
+void requantize_panels(const uint8_t* codes, const GroupValues& scale, const GroupValues& bias, int64_t K, int64_t G,
+                       const float* f, int64_t p0, int64_t p1, int8_t* w8, float* wscale, int32_t* wsum) {
+  std::vector<float> sc(G), bi(G), row(K);
+  for (int64_t p = p0; p < p1; ++p)
+    for (int64_t r = 0; r < PANEL; ++r) {
+      row_values(scale, bias, G, p, r, sc.data(), bi.data());
+      dequant_row<BITS>(codes, p, r, sc.data(), bi.data(), K, K / G, row.data());
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(row.data() + k), _mm512_loadu_ps(f + k));
+        _mm512_storeu_ps(row.data() + k, v);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+      }
+      const float a = _mm512_reduce_max_ps(amax);
+      const int64_t n = (p - p0) * PANEL + r;
+      wscale[n] = a / 127.f;
+      const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
+      __m512i sum = _mm512_setzero_si512();
+      int8_t* o = w8 + (p - p0) * PANEL * K + 4 * r;
+      for (int64_t k = 0; k < K; k += 16) {  // 16 codes: 4 steps of this row's 4 bytes
+        const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row.data() + k), inv));
+        sum = _mm512_add_epi32(sum, c);
+        alignas(16) int32_t four[4];
+        _mm_store_si128(reinterpret_cast<__m128i*>(four), _mm512_cvtsepi32_epi8(c));
+        for (int j = 0; j < 4; ++j) std::memcpy(o + (k / 4 + j) * 64, four + j, 4);
+      }
+      wsum[n] = _mm512_reduce_add_epi32(sum);
+    }
+}
+
+// out [M, N] = x [M, K] @ W^T: per thread a block of panels re-quantized, then every 32-row block of x against it
+template <int BITS, typename T>
+void amx_gemm_impl(const Panels& a, const T* x, int64_t M, const float* wmax, T* out) {
+  const int64_t K = a.K, N = a.N, P = N / PANEL, Mp = (M + 31) / 32 * 32;
+  std::vector<float> f = column_absmax(x, M, K), inv_f(K);
+  for (int64_t k = 0; k < K; ++k) {  // a column all zero on either side keeps its factor 1
+    f[k] = f[k] > 0.f && wmax[k] > 0.f ? std::sqrt(f[k] / wmax[k]) : 1.f;
+    inv_f[k] = 1.f / f[k];
+  }
+  // rows a power of two apart share a few cache sets, and a tile load reads 16 of them: a line of padding spreads them
+  const int64_t lda = K + 64;
+  // scratch from torch's allocator, uninitialized: a fresh zeroed vector cost page faults on every call
+  auto xq_t = at::empty({Mp * lda}, at::kByte);
+  auto xscale_t = at::empty({Mp}, at::kFloat);
+  uint8_t* xq = xq_t.data_ptr<uint8_t>();
+  float* xscale = xscale_t.data_ptr<float>();
+  quantize_rows_u8(x, M, Mp, K, lda, inv_f.data(), xq, xscale);
+  const int64_t threads = at::get_num_threads();
+  const int64_t most = std::max<int64_t>(2, (AMX_BLOCK_KIB << 10) / (PANEL * K));  // panels per block
+  int64_t blocks = (P + most - 1) / most;
+  blocks = std::min(P, (blocks + threads - 1) / threads * threads);  // whole rounds of threads
+  const int64_t per = (P + blocks - 1) / blocks;
+  const GroupValues sv = a.scales(), bv = a.biases();
+  const int64_t w8_bytes = per * PANEL * K, part_ints = (per + 1) / 2 * 32 * 32;  // part: each pair's 32 x 32 sums
+  auto w8_t = at::empty({threads, w8_bytes}, at::kChar);
+  auto part_t = at::empty({threads, part_ints}, at::kInt);
+  auto ws_t = at::empty({threads, 2, per * PANEL}, at::kFloat);
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    configure_tiles();
+    const int64_t t = at::get_thread_num();
+    int8_t* w8 = w8_t.data_ptr<int8_t>() + t * w8_bytes;
+    int32_t* part = part_t.data_ptr<int32_t>() + t * part_ints;
+    float* wscale = ws_t.data_ptr<float>() + t * 2 * per * PANEL;
+    int32_t* wsum = reinterpret_cast<int32_t*>(wscale + per * PANEL);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t p0 = b * per, p1 = std::min(P, p0 + per);
+      if (p0 >= p1) continue;
+      requantize_panels<BITS>(a.c(), sv, bv, K, a.G, f.data(), p0, p1, w8, wscale, wsum);
+      const int64_t pairs = (p1 - p0 + 1) / 2;
+      for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+        const uint8_t* xa = xq + m0 * lda;
+        for (int64_t kb = 0; kb < K; kb += AMX_KB) {  // this slice of the 32 rows stays in L1 across the block
+          const int64_t ke = std::min(K, kb + AMX_KB);
+          const bool last = ke == K;
+          for (int64_t j = 0; j < pairs; ++j) {
+            const bool two = 2 * j + 1 < p1 - p0;
+            const int8_t* wa = w8 + 2 * j * PANEL * K;
+            int32_t* c = part + j * 32 * 32;
+            if (kb == 0) {
+              _tile_zero(0);
+              _tile_zero(1);
+              _tile_zero(2);
+              _tile_zero(3);
+            } else {
+              _tile_loadd(0, c, 128);
+              _tile_loadd(1, c + 16, 128);
+              _tile_loadd(2, c + 16 * 32, 128);
+              _tile_loadd(3, c + 16 * 32 + 16, 128);
+            }
+            for (int64_t k0 = kb; k0 < ke; k0 += AMX_K) {
+              _tile_loadd(4, xa + k0, lda);
+              _tile_loadd(5, xa + 16 * lda + k0, lda);
+              _tile_loadd(6, wa + k0 * PANEL, 64);
+              _tile_dpbusd(0, 4, 6);
+              _tile_dpbusd(2, 5, 6);
+              if (two) {
+                _tile_loadd(7, wa + PANEL * K + k0 * PANEL, 64);
+                _tile_dpbusd(1, 4, 7);
+                _tile_dpbusd(3, 5, 7);
+              }
+            }
+            _tile_stored(0, c, 128);
+            _tile_stored(1, c + 16, 128);
+            _tile_stored(2, c + 16 * 32, 128);
+            _tile_stored(3, c + 16 * 32 + 16, 128);
+            if (!last) continue;
+            for (int h = 0; h < (two ? 2 : 1); ++h) {
+              const int64_t n = (2 * j + h) * PANEL;  // within the block
+              const __m512 ws = _mm512_loadu_ps(wscale + n);
+              const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(wsum + n), 7);  // 128 x the code sum
+              for (int64_t i = 0; i < 32 && m0 + i < M; ++i) {
+                const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(c + i * 32 + 16 * h), off));
+                store16(out + (m0 + i) * N + p0 * PANEL + n,
+                        _mm512_mul_ps(v, _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m0 + i]))));
+              }
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+bool amx_int8() {
+#ifdef PAGEDSERVE_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+template <int BITS>
+at::Tensor panel_amx_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                          const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
+                          const std::optional<at::Tensor>& bias_d, const at::Tensor& wmax) {
+  const char* op = BITS == 4 ? "int4_amx_gemm" : BITS == 6 ? "int6_amx_gemm" : "int8_amx_gemm";
+  TORCH_CHECK(amx_int8(), op, ": this build or CPU has no AMX-INT8");
+  const Panels a(x, codes, scale, bias, scale_d, bias_d, BITS, op);
+  TORCH_CHECK(a.K % 64 == 0, op, ": K a multiple of 64, got ", a.K);
+  TORCH_CHECK(wmax.scalar_type() == at::kFloat && wmax.dim() == 1 && wmax.size(0) == a.K, op,
+              ": wmax fp32 [K] (panel_column_absmax)");
+  const auto wm = wmax.contiguous();
+  auto out = at::empty({x.size(0), a.N}, x.options());
+#ifdef PAGEDSERVE_AMX
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "panel_amx_gemm", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>)
+      amx_gemm_impl<BITS, scalar_t>(a, a.x.data_ptr<scalar_t>(), x.size(0), wm.data_ptr<float>(), out.data_ptr<scalar_t>());
+    else
+      TORCH_CHECK(false, op, ": fp32, bf16 or fp16 activations");
+  });
+#endif
+  return out;
+}
+
+// max_n |w_nk| per column k of the dequantized panels (the weights' side of the AMX GEMM's smoothing)
+at::Tensor panel_column_absmax(const at::Tensor& codes, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& scale_d, const std::optional<at::Tensor>& bias_d,
+                               int64_t bits, int64_t K) {
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "panel_column_absmax: bits 4, 6 or 8");
+  const Panels a(at::empty({0, K}), codes, scale, bias, scale_d, bias_d, bits, "panel_column_absmax");
+  const int64_t threads = at::get_num_threads(), P = a.N / PANEL;
+  auto part = at::zeros({threads, K}, at::kFloat);
+  const GroupValues sv = a.scales(), bv = a.biases();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    float* mx = part.data_ptr<float>() + at::get_thread_num() * K;
+    std::vector<float> sc(a.G), bi(a.G), row(K);
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t r = 0; r < PANEL; ++r) {
+        row_values(sv, bv, a.G, p, r, sc.data(), bi.data());
+        if (bits == 4) dequant_row<4>(a.c(), p, r, sc.data(), bi.data(), K, K / a.G, row.data());
+        else if (bits == 6) dequant_row<6>(a.c(), p, r, sc.data(), bi.data(), K, K / a.G, row.data());
+        else dequant_row<8>(a.c(), p, r, sc.data(), bi.data(), K, K / a.G, row.data());
+        for (int64_t k = 0; k < K; ++k) mx[k] = std::max(mx[k], std::abs(row[k]));
+      }
+  });
+  return std::get<0>(part.max(0));
 }
 
 }  // namespace
@@ -710,6 +996,8 @@ at::Tensor int6_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // Absent optional operands may also be empty tensors (the fused decode layer's operand lists hold no None).
 #define PAGEDSERVE_PANEL_SCHEMA \
   "(Tensor x, Tensor codes, Tensor scale, Tensor? bias=None, Tensor? scale_d=None, Tensor? bias_d=None) -> Tensor"
+#define PAGEDSERVE_AMX_SCHEMA \
+  "(Tensor x, Tensor codes, Tensor scale, Tensor? bias, Tensor? scale_d, Tensor? bias_d, Tensor wmax) -> Tensor"
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("int8_linear" PAGEDSERVE_PANEL_SCHEMA);
   m.def("int4_linear" PAGEDSERVE_PANEL_SCHEMA);
@@ -717,6 +1005,12 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("int4_gemm" PAGEDSERVE_PANEL_SCHEMA);
   m.def("int6_linear" PAGEDSERVE_PANEL_SCHEMA);
   m.def("int6_gemm" PAGEDSERVE_PANEL_SCHEMA);
+  m.def("int8_amx_gemm" PAGEDSERVE_AMX_SCHEMA);
+  m.def("int4_amx_gemm" PAGEDSERVE_AMX_SCHEMA);
+  m.def("int6_amx_gemm" PAGEDSERVE_AMX_SCHEMA);
+  m.def("panel_column_absmax(Tensor codes, Tensor scale, Tensor? bias, Tensor? scale_d, Tensor? bias_d, int bits, "
+        "int k) -> Tensor");
+  m.def("amx_int8", &amx_int8);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
@@ -726,4 +1020,8 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("int4_gemm", &int4_gemm);
   m.impl("int6_linear", &pagedserve::int6_linear);
   m.impl("int6_gemm", &int6_gemm);
+  m.impl("int8_amx_gemm", &panel_amx_gemm<8>);
+  m.impl("int4_amx_gemm", &panel_amx_gemm<4>);
+  m.impl("int6_amx_gemm", &panel_amx_gemm<6>);
+  m.impl("panel_column_absmax", &panel_column_absmax);
 }

@@ -53,6 +53,9 @@ class KernelTable:
     fused_decode_max_rows: int = 8
     # int8/int4 in our panels: our GEMV up to this many rows, our tiled GEMM above (bench_quant_linear.py)
     quant_gemv_max_rows: int = 64
+    # ... and that GEMM on AMX-INT8 (int8 codes of activations and weights) instead of bf16 tiles, where the CPU
+    # and the build have AMX (bench_quant_linear.py; quality: `pagedserve eval`, docs/performance.md)
+    quant_gemm_amx: bool = False
     # without our kernels: torch's `_weight_int8pack_mm` up to this many rows, a GEMM on the codes above
     torch_int8_max_rows: int = 8
     # without our kernels, fp32 models: torch's packed int kernels run in bf16 (probe_torch_int_bf16)
@@ -119,6 +122,7 @@ def kernel_table(device: torch.device, dtype: torch.dtype | None = None, policy:
         prepack_fp32=decide("prepack_fp32", fp32, probe_prepack_fp32),
         torch_int_bf16=decide("torch_int_bf16", fp32 and not cpp, probe_torch_int_bf16),
         attention_kernel_bf16_all="avx512_bf16" in (machine.flags or ()) and not machine.amx,
+        quant_gemm_amx=cpp and cpu_kernels.amx_int8(),
     )
     return dataclasses.replace(table, **{k: v for k, v in pinned.items() if k not in ("auto_bf16", "prepack_fp32",
                                                                                      "torch_int_bf16", "cpp")})

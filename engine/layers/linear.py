@@ -4,7 +4,8 @@
 the weight out for the kernels it picks and keeps an ordered list of routes, each serving inputs of up to
 `max_rows` rows; `forward` takes the first that fits (a decode step's few rows, a prefill chunk's many), and
 `describe_routes` says which. Before `select_kernels` a Linear runs plain PyTorch, so it works unprepared.
-The routes: dense (our GEMV; oneDNN prepacked or F.linear), int8/int4 in our panels (our GEMV; our tiled GEMM),
+The routes: dense (our GEMV; oneDNN prepacked or F.linear), int8/int4 in our panels (our GEMV; our GEMM: AMX-INT8
+on int8 codes where the CPU has it, else bf16 tiles),
 int8 rows without our kernels (torch's `_weight_int8pack_mm`; a GEMM on the codes), int4 in torch's layout (its
 `_weight_int4pack_mm_for_cpu`), anything else (nf4, CUDA): dequantize, then a GEMM.
 """
@@ -51,11 +52,14 @@ def gemm_rows(rows: int) -> int:
 
 
 class Linear(nn.Module):
-    """x [rows, in_features] -> [rows, out_features]. Holds `weight` (dense) or `qweight` (quantized), not both."""
+    """x [rows, in_features] -> [rows, out_features]. Holds `weight` (dense) or `qweight` (quantized), not both.
+    `row_int8`: whether a many-row GEMM may round x to int8 codes with one scale per row (the AMX route); the LM
+    head says no, as its logits feed sampling and logprobs directly (perplexity moved 4x as much with it)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, row_int8: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.row_int8 = row_int8
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.qweight: QuantWeight | None = None
@@ -88,7 +92,7 @@ class Linear(nn.Module):
         `keep_plain`: keep the row-major one too (for our GEMV), else drop it."""
         cpu = device.type == "cpu"
         if self.qweight is not None:
-            self.routes = tuple(_quant_routes(self.qweight, self.bias, table, device, dtype))
+            self.routes = tuple(_quant_routes(self.qweight, self.bias, table, device, dtype, self.row_int8))
             ops = self.qweight.panel_operands() if table.cpp and cpu else None
             self._fused = None if ops is None else (ops + ([self.bias] if self.bias is not None else []),
                                                     table.quant_gemv_max_rows)
@@ -135,14 +139,14 @@ def lay_out_int8(w: Int8Weight, table: KernelTable, device: torch.device) -> Non
 
 
 def _quant_routes(w: QuantWeight, bias: torch.Tensor | None, table: KernelTable, device: torch.device,
-                  dtype: torch.dtype) -> list[Route]:
+                  dtype: torch.dtype, row_int8: bool) -> list[Route]:
     cpu = device.type == "cpu"
     torch_dtype = torch.bfloat16 if table.torch_int_bf16 else dtype
     if isinstance(w, Int8Weight):
         lay_out_int8(w, table, device)
         if w.layout == "panels":
             routes = [Route(table.quant_gemv_max_rows, "int8 GEMV (ours)", w.gemv),
-                      Route(ANY, "int8 tiled GEMM (ours)", w.gemm)]
+                      _panel_gemm(w, "int8", table, row_int8)]
         elif w.row_scale is None:  # group-wise scales: no kernel of torch's takes them
             routes = [Route(ANY, "dequantize + GEMM", w.dequantized_gemm)]
         else:
@@ -159,7 +163,7 @@ def _quant_routes(w: QuantWeight, bias: torch.Tensor | None, table: KernelTable,
         else:
             w.lay_out(device, "codes")
         routes = {"panels": [Route(table.quant_gemv_max_rows, "int4 GEMV (ours)", w.gemv),
-                             Route(ANY, "int4 tiled GEMM (ours)", w.gemm)],
+                             _panel_gemm(w, "int4", table, row_int8)],
                   "torch": [Route(ANY, "torch _weight_int4pack_mm_for_cpu", w.torch_matmul)]}.get(
             w.layout, [Route(ANY, "dequantize + GEMM", w.dequantized_gemm)])
     else:
@@ -169,6 +173,15 @@ def _quant_routes(w: QuantWeight, bias: torch.Tensor | None, table: KernelTable,
     if bias is None:
         return routes
     return [Route(r.max_rows, r.kernel, lambda x, run=r.run: run(x) + bias) for r in routes]
+
+
+def _panel_gemm(w: Int4Weight | Int8Weight, name: str, table: KernelTable, row_int8: bool) -> Route:
+    """The many-row route of a weight in our panels: AMX-INT8 where the table says so (K in whole tiles)."""
+    if table.quant_gemm_amx and row_int8 and w.shape[1] % 64 == 0:
+        if w.column_max is None:
+            w.column_max = w.column_absmax()
+        return Route(ANY, f"{name} AMX-INT8 GEMM (ours)", w.amx_gemm)
+    return Route(ANY, f"{name} tiled GEMM (ours)", w.gemm)
 
 
 def _shared_weights(model: nn.Module) -> set[int]:

@@ -116,7 +116,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = Embedding(vocab, cfg.hidden_size, tp, 0 if tp is None else self.share.vocab_start)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, vocab, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, vocab, bias=False, row_int8=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

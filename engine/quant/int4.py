@@ -44,6 +44,7 @@ class Int4Weight(QuantWeight):
         self._sz: torch.Tensor | None = None  # [K / kernel group, N, 2] scale and zero, in the kernel's dtype
         self._kgroup = 0
         self._bits = 0
+        self.column_max: torch.Tensor | None = None  # for the AMX GEMM's smoothing
 
     @classmethod
     def quantize(cls, w: torch.Tensor, group: int, per_tensor: bool = False) -> Int4Weight:
@@ -155,6 +156,17 @@ class Int4Weight(QuantWeight):
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Ours, panels: cache-sized tiles dequantized to x's dtype, each through oneDNN's GEMM."""
         return torch.ops.pagedserve.int4_gemm(x, self.codes, self.scale, self.bias, self.scale_d, self.bias_d)
+
+    def amx_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """Ours, panels, AMX: int8 codes of x (a scale per row) times the weights re-quantized to int8 per row,
+        both sides smoothed per channel by the column maxima (`column_absmax`, taken when the route is chosen)."""
+        return torch.ops.pagedserve.int4_amx_gemm(x, self.codes, self.scale, self.bias, self.scale_d, self.bias_d,
+                                                  self.column_max)
+
+    def column_absmax(self) -> torch.Tensor:
+        """max over rows of |w| per column (panels), fp32 [K]."""
+        return torch.ops.pagedserve.panel_column_absmax(self.codes, self.scale, self.bias, self.scale_d, self.bias_d,
+                                                        4, self.shape[1])
 
     def _torch_kernel(self, x: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, self._kgroup, sz.to(x.dtype))

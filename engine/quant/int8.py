@@ -42,6 +42,7 @@ class Int8Weight(QuantWeight):
         self.group = self.shape[1] // scale.shape[1]
         self.layout = None
         self.row_scale: torch.Tensor | None = None  # fp32 [N] for torch's kernel ("rows", per row or per tensor)
+        self.column_max: torch.Tensor | None = None  # for the AMX GEMM's smoothing
         self.code_bits = 6 if self.format not in ("int8", "int8-tensor") and _fits_6_bits(q) else 8
 
     @classmethod
@@ -137,6 +138,17 @@ class Int8Weight(QuantWeight):
         """Ours, panels: cache-sized tiles dequantized to x's dtype, each through oneDNN's GEMM."""
         op = torch.ops.pagedserve.int6_gemm if self.code_bits == 6 else torch.ops.pagedserve.int8_gemm
         return op(x, self.q, self.scale, self.bias, self.scale_d, self.bias_d)
+
+    def amx_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """Ours, panels, AMX: int8 codes of x (a scale per row) times the weights re-quantized to int8 per row,
+        both sides smoothed per channel by the column maxima (`column_absmax`, taken when the route is chosen)."""
+        op = torch.ops.pagedserve.int6_amx_gemm if self.code_bits == 6 else torch.ops.pagedserve.int8_amx_gemm
+        return op(x, self.q, self.scale, self.bias, self.scale_d, self.bias_d, self.column_max)
+
+    def column_absmax(self) -> torch.Tensor:
+        """max over rows of |w| per column (panels), fp32 [K]."""
+        return torch.ops.pagedserve.panel_column_absmax(self.q, self.scale, self.bias, self.scale_d, self.bias_d,
+                                                        self.code_bits, self.shape[1])
 
     def torch_gemv(self, x: torch.Tensor, kernel_dtype: torch.dtype) -> torch.Tensor:
         """torch's `_weight_int8pack_mm` ("rows" with a row scale), computed in `kernel_dtype`."""
