@@ -247,6 +247,24 @@ def test_amx_gemm_matches_reference(which, dtype, m):
 
 
 @AMX
+@pytest.mark.parametrize("dtype", ACT_DTYPES)
+def test_amx_gated_is_silu_of_the_projection(dtype):
+    """A fused gate|up weight: SiLU(gate) * up computed in the GEMM equals the projection, then the activation,
+    to the bit (the same sums, rounded where the two-step path stores them); the GEMV rows take the two steps."""
+    from pagedserve.engine.layers.activation import SiluAndMul
+
+    gen = torch.Generator().manual_seed(5)
+    qw = _q4_1(torch.randn(96, 192, generator=gen) * 0.05)  # gate and up: 3 panels each
+    lin = linear(qw, dtype, AMX_TABLE)
+    act = SiluAndMul()
+    act.select_kernels(AMX_TABLE, torch.device("cpu"))
+    for m in (65, 100, 7):
+        x = torch.randn(m, 192, generator=gen).to(dtype)
+        fused = lin.gated(x, act)
+        assert fused.shape == (m, 48) and torch.equal(fused, act(lin(x))), m
+
+
+@AMX
 def test_amx_engine_agrees_with_bf16_tiles(smollm):
     """The bundled model's prompt logprobs with the AMX GEMM against the bf16-tile GEMM: top-1 the same at nearly
     every position (perplexity within 1 %: `pagedserve eval`, docs/performance.md)."""

@@ -721,6 +721,20 @@ inline void configure_tiles() {
   _tile_loadconfig(&c);
 }
 
+// 16 activations widened to fp32
+template <typename T>
+inline __m512 load16f(const T* x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(x);
+  } else if constexpr (std::is_same_v<T, at::Half>) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  } else {
+    static_assert(std::is_same_v<T, at::BFloat16>);
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+}
+
 // rows of x -> u8 codes (c + 128, rows M..Mp of zeros) at a row stride of lda, and a scale per row
 template <typename T>
 void quantize_rows_u8(const T* x, int64_t M, int64_t Mp, int64_t K, int64_t lda, const float* inv_f, uint8_t* q,
@@ -735,8 +749,7 @@ void quantize_rows_u8(const T* x, int64_t M, int64_t Mp, int64_t K, int64_t lda,
       }
       __m512 amax = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += 16) {
-        for (int i = 0; i < 16; ++i) row[k + i] = widen(x[m * K + k + i]);
-        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(row.data() + k), _mm512_loadu_ps(inv_f + k));
+        const __m512 v = _mm512_mul_ps(load16f(x + m * K + k), _mm512_loadu_ps(inv_f + k));
         _mm512_storeu_ps(row.data() + k, v);
         amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
       }
@@ -760,11 +773,8 @@ std::vector<float> column_absmax(const T* x, int64_t M, int64_t K) {
   at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
     float* mx = part.data() + at::get_thread_num() * K;
     for (int64_t m = m0; m < m1; ++m)
-      for (int64_t k = 0; k < K; k += 16) {  // K: a multiple of 64
-        float v[16];
-        for (int i = 0; i < 16; ++i) v[i] = widen(x[m * K + k + i]);
-        _mm512_storeu_ps(mx + k, _mm512_max_ps(_mm512_loadu_ps(mx + k), _mm512_abs_ps(_mm512_loadu_ps(v))));
-      }
+      for (int64_t k = 0; k < K; k += 16)  // K: a multiple of 64
+        _mm512_storeu_ps(mx + k, _mm512_max_ps(_mm512_loadu_ps(mx + k), _mm512_abs_ps(load16f(x + m * K + k))));
   });
   for (int64_t t = 1; t < threads; ++t)
     for (int64_t k = 0; k < K; ++k) part[k] = std::max(part[k], part[t * K + k]);
@@ -772,11 +782,75 @@ std::vector<float> column_absmax(const T* x, int64_t M, int64_t K) {
   return part;
 }
 
+// 4 int32 lanes' low bytes -> one lane of 4 bytes (a, b, c, d in bytes 0-3): an int8 panel step
+inline __m512i pack_bytes(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i m = _mm512_set1_epi32(0xFF);
+  return _mm512_or_si512(_mm512_or_si512(_mm512_and_si512(a, m), _mm512_slli_epi32(_mm512_and_si512(b, m), 8)),
+                         _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(c, m), 16), _mm512_slli_epi32(d, 24)));
+}
+
+// the 16 rows' weights of step q's codes (PER of them), times the smoothing factors: lane r is row r
+template <int BITS>
+inline void step_values(const uint8_t* c, int64_t q, __m512 sc, __m512 bi, const float* f, __m512* v) {
+  constexpr int PER = BITS == 4 ? 8 : 4;
+  const __m512i d = _mm512_loadu_si512(c + q * 64);
+  for (int i = 0; i < PER; ++i) {
+    __m512i code;
+    if constexpr (BITS == 4)  // byte i: code i in its low nibble, code 4 + i in its high one
+      code = _mm512_and_si512(_mm512_srl_epi32(d, _mm_cvtsi32_si128(i < 4 ? 8 * i : 8 * (i - 4) + 4)),
+                              _mm512_set1_epi32(15));
+    else  // byte i: code i, signed
+      code = _mm512_sra_epi32(_mm512_sll_epi32(d, _mm_cvtsi32_si128(24 - 8 * i)), _mm_cvtsi32_si128(24));
+    v[i] = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(code), sc, bi), _mm512_set1_ps(f[PER * q + i]));
+  }
+}
+
 // panels p0..p1 re-quantized to int8 with a scale per row: w8 [p1 - p0, K / 4, 64] (an int8 panel), scale and the
-// sum of each row's codes [16 (p1 - p0)]
+// sum of each row's codes [16 (p1 - p0)]. int4 and int8 panels go a step at a time, the 16 rows in the 16 lanes
+// (two passes: the rows' maxima, then the codes); 6-bit ones row by row through dequant_row.
 template <int BITS>
 void requantize_panels(const uint8_t* codes, const GroupValues& scale, const GroupValues& bias, int64_t K, int64_t G,
                        const float* f, int64_t p0, int64_t p1, int8_t* w8, float* wscale, int32_t* wsum) {
+  if constexpr (BITS != 6) {
+    constexpr int PER = BITS == 4 ? 8 : 4;
+    const int64_t steps_per_group = K / G / PER;
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* c = codes + p * PANEL * K * BITS / 8;
+      __m512 v[PER], amax = _mm512_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 sc = scale.load(p, g), bi = bias.v ? bias.load(p, g) : _mm512_setzero_ps();
+        for (int64_t q = g * steps_per_group; q < (g + 1) * steps_per_group; ++q) {
+          step_values<BITS>(c, q, sc, bi, f, v);
+          for (int i = 0; i < PER; ++i) amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+        }
+      }
+      const int64_t n = (p - p0) * PANEL;
+      _mm512_storeu_ps(wscale + n, _mm512_div_ps(amax, _mm512_set1_ps(127.f)));
+      const __mmask16 live = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
+      const __m512 inv = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.f), amax);
+      __m512i sum = _mm512_setzero_si512();
+      int8_t* o = w8 + (p - p0) * PANEL * K;
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 sc = scale.load(p, g), bi = bias.v ? bias.load(p, g) : _mm512_setzero_ps();
+        for (int64_t q = g * steps_per_group; q < (g + 1) * steps_per_group; ++q) {
+          step_values<BITS>(c, q, sc, bi, f, v);
+          __m512i r[PER];
+          for (int i = 0; i < PER; ++i) {
+            r[i] = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv));
+            sum = _mm512_add_epi32(sum, r[i]);
+          }
+          if constexpr (BITS == 4) {  // codes 8q..8q+3, then 8q+4..8q+7: int8 steps 2q and 2q + 1
+            _mm512_storeu_si512(o + 2 * q * 64, pack_bytes(r[0], r[1], r[2], r[3]));
+            _mm512_storeu_si512(o + (2 * q + 1) * 64, pack_bytes(r[4], r[5], r[6], r[7]));
+          } else {
+            _mm512_storeu_si512(o + q * 64, pack_bytes(r[0], r[1], r[2], r[3]));
+          }
+        }
+      }
+      _mm512_storeu_si512(wsum + n, sum);
+    }
+    return;
+  }
   std::vector<float> sc(G), bi(G), row(K);
   for (int64_t p = p0; p < p1; ++p)
     for (int64_t r = 0; r < PANEL; ++r) {
@@ -807,8 +881,11 @@ void requantize_panels(const uint8_t* codes, const GroupValues& scale, const Gro
 
 // out [M, N] = x [M, K] @ W^T: per thread a block of panels re-quantized, then every 32-row block of x against it
 template <int BITS, typename T>
-void amx_gemm_impl(const Panels& a, const T* x, int64_t M, const float* wmax, T* out) {
-  const int64_t K = a.K, N = a.N, P = N / PANEL, Mp = (M + 31) / 32 * 32;
+void amx_gemm_impl(const Panels& a, const T* x, int64_t M, const float* wmax, bool gated, T* out) {
+  // gated: W is gate|up (N / 2 rows each) and out [M, N / 2] = SiLU(x gate^T) * (x up^T): gate panel i and up
+  // panel i are re-quantized side by side, so each pair of B tiles yields both and the product never goes to memory
+  const int64_t K = a.K, N = a.N, P = (gated ? N / 2 : N) / PANEL, Mp = (M + 31) / 32 * 32;
+  const int64_t N_out = P * PANEL;
   std::vector<float> f = column_absmax(x, M, K), inv_f(K);
   for (int64_t k = 0; k < K; ++k) {  // a column all zero on either side keeps its factor 1
     f[k] = f[k] > 0.f && wmax[k] > 0.f ? std::sqrt(f[k] / wmax[k]) : 1.f;
@@ -823,34 +900,44 @@ void amx_gemm_impl(const Panels& a, const T* x, int64_t M, const float* wmax, T*
   float* xscale = xscale_t.data_ptr<float>();
   quantize_rows_u8(x, M, Mp, K, lda, inv_f.data(), xq, xscale);
   const int64_t threads = at::get_num_threads();
-  const int64_t most = std::max<int64_t>(2, (AMX_BLOCK_KIB << 10) / (PANEL * K));  // panels per block
+  const int64_t most = std::max<int64_t>(2, (AMX_BLOCK_KIB << 10) / (PANEL * K)) / (gated ? 2 : 1);  // per block
   int64_t blocks = (P + most - 1) / most;
   blocks = std::min(P, (blocks + threads - 1) / threads * threads);  // whole rounds of threads
   const int64_t per = (P + blocks - 1) / blocks;
   const GroupValues sv = a.scales(), bv = a.biases();
-  const int64_t w8_bytes = per * PANEL * K, part_ints = (per + 1) / 2 * 32 * 32;  // part: each pair's 32 x 32 sums
+  const int64_t slots = gated ? 2 * per : per;  // re-quantized panels a block holds
+  const int64_t w8_bytes = slots * PANEL * K, part_ints = (slots + 1) / 2 * 32 * 32;  // part: a pair's 32 x 32 sums
   auto w8_t = at::empty({threads, w8_bytes}, at::kChar);
   auto part_t = at::empty({threads, part_ints}, at::kInt);
-  auto ws_t = at::empty({threads, 2, per * PANEL}, at::kFloat);
+  auto ws_t = at::empty({threads, 2, slots * PANEL}, at::kFloat);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     configure_tiles();
     const int64_t t = at::get_thread_num();
     int8_t* w8 = w8_t.data_ptr<int8_t>() + t * w8_bytes;
     int32_t* part = part_t.data_ptr<int32_t>() + t * part_ints;
-    float* wscale = ws_t.data_ptr<float>() + t * 2 * per * PANEL;
-    int32_t* wsum = reinterpret_cast<int32_t*>(wscale + per * PANEL);
+    float* wscale = ws_t.data_ptr<float>() + t * 2 * slots * PANEL;
+    int32_t* wsum = reinterpret_cast<int32_t*>(wscale + slots * PANEL);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t p0 = b * per, p1 = std::min(P, p0 + per);
       if (p0 >= p1) continue;
-      requantize_panels<BITS>(a.c(), sv, bv, K, a.G, f.data(), p0, p1, w8, wscale, wsum);
-      const int64_t pairs = (p1 - p0 + 1) / 2;
+      if (gated) {
+        for (int64_t i = 0; i < p1 - p0; ++i)
+          for (int64_t h = 0; h < 2; ++h)  // slot 2i: gate panel p0 + i, slot 2i + 1: its up panel
+            requantize_panels<BITS>(a.c(), sv, bv, K, a.G, f.data(), p0 + i + h * P, p0 + i + h * P + 1,
+                                    w8 + (2 * i + h) * PANEL * K, wscale + (2 * i + h) * PANEL,
+                                    wsum + (2 * i + h) * PANEL);
+      } else {
+        requantize_panels<BITS>(a.c(), sv, bv, K, a.G, f.data(), p0, p1, w8, wscale, wsum);
+      }
+      const int64_t used = gated ? 2 * (p1 - p0) : p1 - p0;  // slots filled
+      const int64_t pairs = (used + 1) / 2;
       for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
         const uint8_t* xa = xq + m0 * lda;
         for (int64_t kb = 0; kb < K; kb += AMX_KB) {  // this slice of the 32 rows stays in L1 across the block
           const int64_t ke = std::min(K, kb + AMX_KB);
           const bool last = ke == K;
           for (int64_t j = 0; j < pairs; ++j) {
-            const bool two = 2 * j + 1 < p1 - p0;
+            const bool two = 2 * j + 1 < used;
             const int8_t* wa = w8 + 2 * j * PANEL * K;
             int32_t* c = part + j * 32 * 32;
             if (kb == 0) {
@@ -881,15 +968,28 @@ void amx_gemm_impl(const Panels& a, const T* x, int64_t M, const float* wmax, T*
             _tile_stored(2, c + 16 * 32, 128);
             _tile_stored(3, c + 16 * 32 + 16, 128);
             if (!last) continue;
+            const int64_t rows = std::min<int64_t>(32, M - m0);
+            __m512 ws[2];
+            __m512i off[2];  // 128 x the code sums
             for (int h = 0; h < (two ? 2 : 1); ++h) {
-              const int64_t n = (2 * j + h) * PANEL;  // within the block
-              const __m512 ws = _mm512_loadu_ps(wscale + n);
-              const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(wsum + n), 7);  // 128 x the code sum
-              for (int64_t i = 0; i < 32 && m0 + i < M; ++i) {
-                const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(c + i * 32 + 16 * h), off));
-                store16(out + (m0 + i) * N + p0 * PANEL + n,
-                        _mm512_mul_ps(v, _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m0 + i]))));
+              ws[h] = _mm512_loadu_ps(wscale + (2 * j + h) * PANEL);
+              off[h] = _mm512_slli_epi32(_mm512_loadu_si512(wsum + (2 * j + h) * PANEL), 7);
+            }
+            const auto value = [&](int64_t i, int h) {
+              const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(c + i * 32 + 16 * h), off[h]));
+              return _mm512_mul_ps(v, _mm512_mul_ps(ws[h], _mm512_set1_ps(xscale[m0 + i])));
+            };
+            for (int64_t i = 0; i < rows; ++i) {
+              if (gated) {
+                alignas(64) float g[PANEL], u[PANEL];
+                _mm512_store_ps(g, value(i, 0));
+                _mm512_store_ps(u, value(i, 1));
+                T* o = out + (m0 + i) * N_out + (p0 + j) * PANEL;
+                for (int64_t l = 0; l < PANEL; ++l) o[l] = pagedserve::silu_times<T>(g[l], u[l]);
+                continue;
               }
+              for (int h = 0; h < (two ? 2 : 1); ++h)
+                store16(out + (m0 + i) * N_out + (p0 + 2 * j + h) * PANEL, value(i, h));
             }
           }
         }
@@ -911,19 +1011,21 @@ bool amx_int8() {
 template <int BITS>
 at::Tensor panel_amx_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                           const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale_d,
-                          const std::optional<at::Tensor>& bias_d, const at::Tensor& wmax) {
+                          const std::optional<at::Tensor>& bias_d, const at::Tensor& wmax, bool silu_mul) {
   const char* op = BITS == 4 ? "int4_amx_gemm" : BITS == 6 ? "int6_amx_gemm" : "int8_amx_gemm";
   TORCH_CHECK(amx_int8(), op, ": this build or CPU has no AMX-INT8");
   const Panels a(x, codes, scale, bias, scale_d, bias_d, BITS, op);
   TORCH_CHECK(a.K % 64 == 0, op, ": K a multiple of 64, got ", a.K);
   TORCH_CHECK(wmax.scalar_type() == at::kFloat && wmax.dim() == 1 && wmax.size(0) == a.K, op,
               ": wmax fp32 [K] (panel_column_absmax)");
+  TORCH_CHECK(!silu_mul || a.N % (2 * PANEL) == 0, op, ": silu_mul takes gate|up, each a multiple of 16 rows");
   const auto wm = wmax.contiguous();
-  auto out = at::empty({x.size(0), a.N}, x.options());
+  auto out = at::empty({x.size(0), silu_mul ? a.N / 2 : a.N}, x.options());
 #ifdef PAGEDSERVE_AMX
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "panel_amx_gemm", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>)
-      amx_gemm_impl<BITS, scalar_t>(a, a.x.data_ptr<scalar_t>(), x.size(0), wm.data_ptr<float>(), out.data_ptr<scalar_t>());
+      amx_gemm_impl<BITS, scalar_t>(a, a.x.data_ptr<scalar_t>(), x.size(0), wm.data_ptr<float>(), silu_mul,
+                                    out.data_ptr<scalar_t>());
     else
       TORCH_CHECK(false, op, ": fp32, bf16 or fp16 activations");
   });
@@ -997,7 +1099,8 @@ at::Tensor int6_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 #define PAGEDSERVE_PANEL_SCHEMA \
   "(Tensor x, Tensor codes, Tensor scale, Tensor? bias=None, Tensor? scale_d=None, Tensor? bias_d=None) -> Tensor"
 #define PAGEDSERVE_AMX_SCHEMA \
-  "(Tensor x, Tensor codes, Tensor scale, Tensor? bias, Tensor? scale_d, Tensor? bias_d, Tensor wmax) -> Tensor"
+  "(Tensor x, Tensor codes, Tensor scale, Tensor? bias, Tensor? scale_d, Tensor? bias_d, Tensor wmax, " \
+  "bool silu_mul=False) -> Tensor"
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("int8_linear" PAGEDSERVE_PANEL_SCHEMA);
   m.def("int4_linear" PAGEDSERVE_PANEL_SCHEMA);

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -85,4 +86,19 @@ inline float fast_exp(float x) {
   return x < -87.f ? 0.f : r;
 }
 
+
+// round to the storage type and back: where the PyTorch path materialises an intermediate in T
+template <typename T>
+inline float rnd(float x) {
+  return widen(narrow<T>(x));
+}
+
+// SiLU(g) * u as T, from a gate and an up value as a GEMM stores them (rounded to T): the sigmoid from
+// exp(-|g|) <= 1 (no overflow, and loops over it vectorise), the SiLU rounded to T as PyTorch's F.silu leaves it
+template <typename T>
+inline T silu_times(float g, float u) {
+  const float a = rnd<T>(g), e = fast_exp(-std::fabs(a));
+  const float sig = (a >= 0.f ? 1.f : e) / (1.f + e);
+  return narrow<T>(rnd<T>(a * sig) * rnd<T>(u));
+}
 }  // namespace pagedserve

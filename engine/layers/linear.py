@@ -37,6 +37,8 @@ class Route:
     max_rows: int
     kernel: str  # what it runs, for the log and the tests
     run: Callable[[torch.Tensor], torch.Tensor]
+    # for a fused gate|up weight: SiLU(gate) * up in the same kernel, where it has that form
+    gated: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def gemm_rows(rows: int) -> int:
@@ -49,6 +51,15 @@ def gemm_rows(rows: int) -> int:
         return rows
     step = 1 << max(4, rows.bit_length() - 5)
     return -(-rows // step) * step
+
+
+def padded(run: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`run` (a many-row route through oneDNN) at `gemm_rows` rows: zero rows added, their outputs dropped."""
+    def go(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        extra = gemm_rows(rows) - rows
+        return run(x) if extra == 0 else run(F.pad(x, (0, 0, 0, extra)))[:rows]
+    return go
 
 
 class Linear(nn.Module):
@@ -71,13 +82,21 @@ class Linear(nn.Module):
         rows = x.shape[0]
         for route in self.routes:
             if rows <= route.max_rows:
-                if route.max_rows < ANY or (padded := gemm_rows(rows)) == rows:
-                    return route.run(x)
-                return route.run(F.pad(x, (0, 0, 0, padded - rows)))[:rows]
+                return route.run(x)
         if self.qweight is not None:
             y = self.qweight.dequantized_gemm(x)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
+
+    def gated(self, x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """act(self(x)) for a fused gate|up projection and its SiLU(gate) * up: in one kernel where the route has
+        that form (the AMX GEMM, whose products then never go to memory), else the projection, then `act`."""
+        for route in self.routes:
+            if x.shape[0] <= route.max_rows:
+                if route.gated is not None:
+                    return route.gated(x)
+                break
+        return act(self(x))
 
     def quantize_to(self, qweight: QuantWeight) -> None:
         """Hold `qweight` instead of a dense weight (before the model is materialized: no dense copy is made)."""
@@ -109,9 +128,9 @@ class Linear(nn.Module):
                                 lambda x: torch.ops.pagedserve.dense_linear(x, w, b)))
         if packed is not None:
             routes.append(Route(ANY, "oneDNN, prepacked",
-                                lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")))
+                                padded(lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""))))
         else:
-            routes.append(Route(ANY, "F.linear", lambda x: F.linear(x, w, b)))
+            routes.append(Route(ANY, "F.linear", padded(lambda x: F.linear(x, w, b))))
         self.routes = tuple(routes)
         self._fused = ([w] + ([b] if b is not None else []), table.fused_decode_max_rows) if \
             table.cpp and cpu and plain else None
@@ -148,9 +167,9 @@ def _quant_routes(w: QuantWeight, bias: torch.Tensor | None, table: KernelTable,
             routes = [Route(table.quant_gemv_max_rows, "int8 GEMV (ours)", w.gemv),
                       _panel_gemm(w, "int8", table, row_int8)]
         elif w.row_scale is None:  # group-wise scales: no kernel of torch's takes them
-            routes = [Route(ANY, "dequantize + GEMM", w.dequantized_gemm)]
+            routes = [Route(ANY, "dequantize + GEMM", padded(w.dequantized_gemm))]
         else:
-            routes = [Route(ANY, "GEMM on the int8 codes", w.codes_gemm)]
+            routes = [Route(ANY, "GEMM on the int8 codes", padded(w.codes_gemm))]
             if cpu:
                 routes.insert(0, Route(table.torch_int8_max_rows, "torch _weight_int8pack_mm",
                                        lambda x: w.torch_gemv(x, torch.bfloat16 if x.dtype == torch.bfloat16
@@ -164,12 +183,12 @@ def _quant_routes(w: QuantWeight, bias: torch.Tensor | None, table: KernelTable,
             w.lay_out(device, "codes")
         routes = {"panels": [Route(table.quant_gemv_max_rows, "int4 GEMV (ours)", w.gemv),
                              _panel_gemm(w, "int4", table, row_int8)],
-                  "torch": [Route(ANY, "torch _weight_int4pack_mm_for_cpu", w.torch_matmul)]}.get(
-            w.layout, [Route(ANY, "dequantize + GEMM", w.dequantized_gemm)])
+                  "torch": [Route(ANY, "torch _weight_int4pack_mm_for_cpu", padded(w.torch_matmul))]}.get(
+            w.layout, [Route(ANY, "dequantize + GEMM", padded(w.dequantized_gemm))])
     else:
         assert isinstance(w, NF4Weight), type(w)
         w.lay_out(device)
-        routes = [Route(ANY, "dequantize + GEMM", w.dequantized_gemm)]
+        routes = [Route(ANY, "dequantize + GEMM", padded(w.dequantized_gemm))]
     if bias is None:
         return routes
     return [Route(r.max_rows, r.kernel, lambda x, run=r.run: run(x) + bias) for r in routes]
@@ -180,8 +199,10 @@ def _panel_gemm(w: Int4Weight | Int8Weight, name: str, table: KernelTable, row_i
     if table.quant_gemm_amx and row_int8 and w.shape[1] % 64 == 0:
         if w.column_max is None:
             w.column_max = w.column_absmax()
-        return Route(ANY, f"{name} AMX-INT8 GEMM (ours)", w.amx_gemm)
-    return Route(ANY, f"{name} tiled GEMM (ours)", w.gemm)
+        # no padding: our kernel keeps nothing per shape
+        gated = (lambda x: w.amx_gemm(x, silu_mul=True)) if w.shape[0] % 32 == 0 else None  # gate, up: panels
+        return Route(ANY, f"{name} AMX-INT8 GEMM (ours)", w.amx_gemm, gated)
+    return Route(ANY, f"{name} tiled GEMM (ours)", padded(w.gemm))
 
 
 def _shared_weights(model: nn.Module) -> set[int]:

@@ -83,7 +83,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        out = self.down_proj(self.gate_up_proj.gated(x, self.act))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 

@@ -157,11 +157,12 @@ class Int4Weight(QuantWeight):
         """Ours, panels: cache-sized tiles dequantized to x's dtype, each through oneDNN's GEMM."""
         return torch.ops.pagedserve.int4_gemm(x, self.codes, self.scale, self.bias, self.scale_d, self.bias_d)
 
-    def amx_gemm(self, x: torch.Tensor) -> torch.Tensor:
+    def amx_gemm(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         """Ours, panels, AMX: int8 codes of x (a scale per row) times the weights re-quantized to int8 per row,
-        both sides smoothed per channel by the column maxima (`column_absmax`, taken when the route is chosen)."""
+        both sides smoothed per channel by the column maxima (`column_absmax`, taken when the route is chosen).
+        `silu_mul` (a fused gate|up weight): SiLU(gate) * up, computed as the products are."""
         return torch.ops.pagedserve.int4_amx_gemm(x, self.codes, self.scale, self.bias, self.scale_d, self.bias_d,
-                                                  self.column_max)
+                                                  self.column_max, silu_mul)
 
     def column_absmax(self) -> torch.Tensor:
         """max over rows of |w| per column (panels), fp32 [K]."""
