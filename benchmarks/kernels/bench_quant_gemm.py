@@ -2,7 +2,8 @@
 
 One prompt's worth of rows (--rows) through each projection of a decoder layer (Llama-3.2-1B's shapes, or
 SmolLM2-135M's with --model 135m), the weights int4 with a scale and a bias per 32 (llama.cpp's Q4_1, random
-values), bf16 activations. Rounds alternate the two routes; the table shows each one's best time, the rate it
+values), bf16 activations; gate|up with the MLP's SiLU(gate) * up after it (the AMX GEMM computes it in its epilogue).
+Rounds alternate the two routes; the table shows each one's best time, the rate it
 implies (2 M N K operations) and the speed-up, and the relative error of each against x @ dequantize(W)^T. The
 AMX column needs a CPU with AMX-INT8 (it is left out elsewhere).
 
@@ -52,11 +53,16 @@ def main(argv: list[str] | None = None) -> int:
         w = q4_1(n, k, gen)
         w.column_max = w.column_absmax()
         x = torch.randn(args.rows, k, generator=gen).bfloat16()
-        paths = {"bf16 tiles": lambda w=w, x=x: w.gemm(x)}
+        gated = name == "gate_up"  # with the MLP's SiLU(gate) * up, as the model runs it
+        act = torch.ops.pagedserve.silu_and_mul if gated else (lambda y: y)
+        paths = {"bf16 tiles": lambda w=w, x=x, act=act: act(w.gemm(x))}
         if amx:
-            paths["AMX-INT8"] = lambda w=w, x=x: w.amx_gemm(x)
+            paths["AMX-INT8"] = lambda w=w, x=x, g=gated: w.amx_gemm(x, silu_mul=g)
         best = best_us(args.rounds, paths, 1)
         ref = x.float() @ w.dequantize(torch.float32).t()
+        if gated:
+            gate, up = ref.chunk(2, dim=1)
+            ref = torch.nn.functional.silu(gate) * up
         err = {p: ((fn().float() - ref).norm() / ref.norm()).item() for p, fn in paths.items()}
         ops = 2 * args.rows * n * k
         results[name] = {"shape": [n, k], "best_us": best, "rel_error": err}
@@ -65,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         if amx:
             row += [f"{best['AMX-INT8'] / 1e3:.2f}", f"{ops / best['AMX-INT8'] / 1e6:.2f}", f"{err['AMX-INT8']:.1e}",
                     common.ratio(best["bf16 tiles"], best["AMX-INT8"])]
-        rows.append(row)
+        rows.append([name + (" + SiLU*up" if gated else "")] + row[1:])
     headers = ["projection", "N x K", "bf16 tiles ms", "TFLOP/s", "rel. error"]
     if amx:
         headers += ["AMX-INT8 ms", "TOPS", "rel. error", "speed-up"]
