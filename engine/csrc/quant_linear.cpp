@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -689,14 +690,17 @@ at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
 // AMX multiplies u8 by s8 at twice its bf16 rate, so a prefill-sized GEMM runs on int8 codes of both sides: each
 // activation row gets one scale (its absmax / 127; u8 codes c + 128, the 128 taken off through the weights' code
 // sums), and each weight row one scale, its codes re-quantized from the group values per call (no resident int8
-// copy: it would double a 4-bit model's memory). One scale per activation row alone lost 3-4 % perplexity: a few
-// channels carry most of the range. So, as SmoothQuant does, channel k of x is divided by
-// f_k = sqrt(max_m |x_mk| / max_n |w_nk|) and column k of W multiplied by it (the product is unchanged), which
-// evens the ranges of both sides; the activations' maxima are this call's, the weights' measured once at load
-// (panel_column_absmax). An int8 panel step is exactly an AMX B tile's row (16 output
-// rows of 4 consecutive codes), so a re-quantized panel is 16 K-steps of 1 KiB tiles laid end to end.
+// copy: it would double a 4-bit model's memory). One scale per row alone cost the bundled model 3-4 % perplexity,
+// as a few channels carry most of the range; two things bring it within ~0.5 % (docs/performance.md):
+// - as SmoothQuant does, channel k of x is divided by f_k = sqrt(max_m |x_mk| / max_n |w_nk|) and column k of W
+//   multiplied by it (the product is unchanged), which evens the ranges of both sides; the activations' maxima
+//   are this call's, the weights' taken once at load (panel_column_absmax);
+// - the 64 channels with the largest max |x| max |w| leave that part and form a block of their own, with scales
+//   of their own, at the end of each row: one more tile step, its sums scaled apart and added.
+// An int8 panel step is exactly an AMX B tile's row (16 output rows of 4 consecutive codes), so a re-quantized
+// panel is its K / 64 tile steps of 1 KiB laid end to end, then the outlier block's.
 #ifdef PAGEDSERVE_AMX
-constexpr int64_t AMX_K = 64;  // codes per tile row
+constexpr int64_t AMX_K = 64;  // codes per tile row, and the most outlier channels
 constexpr int64_t AMX_KB = 1024;  // codes of K per pass: 32 rows' worth of activations stay in L1
 constexpr int64_t AMX_BLOCK_KIB = 1024;  // a thread's re-quantized weight block: L2-sized, reused by every row block
 
@@ -799,6 +803,26 @@ void quantize_rows_u8(const T* x, int64_t M, int64_t Mp, int64_t K, int64_t lda,
   });
 }
 
+// the outlier channels of each row as they are -> u8 codes in the row's last AMX_K bytes (the unused ones 128)
+// with a scale of their own
+template <typename T>
+void quantize_outliers(const T* x, int64_t M, int64_t Mp, int64_t K, int64_t lda, const int64_t* outl, int64_t n_out,
+                       uint8_t* q, float* scale) {
+  for (int64_t m = 0; m < Mp; ++m) {
+    uint8_t* o = q + m * lda + K;
+    std::memset(o, 128, AMX_K);
+    if (m >= M) {
+      scale[m] = 0.f;
+      continue;
+    }
+    float v[AMX_K], a = 0.f;
+    for (int64_t i = 0; i < n_out; ++i) a = std::max(a, std::abs(v[i] = widen(x[m * K + outl[i]])));
+    scale[m] = a / 127.f;
+    const float inv = a > 0.f ? 127.f / a : 0.f;
+    for (int64_t i = 0; i < n_out; ++i) o[i] = static_cast<uint8_t>(std::nearbyint(v[i] * inv) + 128);
+  }
+}
+
 // max_m |x_mk| per column k
 template <typename T>
 std::vector<float> column_absmax(const T* x, int64_t M, int64_t K) {
@@ -839,17 +863,42 @@ inline void step_values(const uint8_t* c, int64_t q, __m512 sc, __m512 bi, const
   }
 }
 
-// panels p0..p1 re-quantized to int8 with a scale per row: w8 [p1 - p0, K / 4, 64] (an int8 panel), scale and the
-// sum of each row's codes [16 (p1 - p0)]. int4 and int8 panels go a step at a time, the 16 rows in the 16 lanes
-// (two passes: the rows' maxima, then the codes); 6-bit ones row by row through dequant_row.
+// the outlier block of a panel: the 16 rows' values of the outlier channels (col[o], o < n_out; the rest of the
+// AMX_K codes zero) -> int8 codes with their own scale per row, as 16 int8 panel steps, and the rows' code sums
+inline void quantize_outlier_block(const __m512* col, int64_t n_out, int8_t* o, float* wscale, int32_t* wsum) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n_out; ++i) amax = _mm512_max_ps(amax, _mm512_abs_ps(col[i]));
+  _mm512_storeu_ps(wscale, _mm512_div_ps(amax, _mm512_set1_ps(127.f)));
+  const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                         _mm512_set1_ps(127.f), amax);
+  __m512i sum = _mm512_setzero_si512(), r[AMX_K];
+  for (int64_t i = 0; i < AMX_K; ++i) {
+    r[i] = i < n_out ? _mm512_cvtps_epi32(_mm512_mul_ps(col[i], inv)) : _mm512_setzero_si512();
+    sum = _mm512_add_epi32(sum, r[i]);
+  }
+  for (int64_t q = 0; q < AMX_K / 4; ++q)
+    _mm512_storeu_si512(o + q * 64, pack_bytes(r[4 * q], r[4 * q + 1], r[4 * q + 2], r[4 * q + 3]));
+  _mm512_storeu_si512(wsum, sum);
+}
+
+// panels p0..p1 re-quantized to int8 [p1 - p0, KP / 4, 64] (int8 panels, KP = K + AMX_K): their K channels times
+// the smoothing factors f (0 for the outlier channels) with a scale per row, then the outlier channels `outl` as
+// they are with a scale of their own; scales and code sums [p1 - p0, 16] for each part (wscale, wsum; wscale2,
+// wsum2). int4 and int8 panels go a step at a time, the 16 rows in the 16 lanes (two passes: the rows' maxima,
+// then the codes); 6-bit ones row by row through dequant_row.
 template <int BITS>
 void requantize_panels(const uint8_t* codes, const GroupValues& scale, const GroupValues& bias, int64_t K, int64_t G,
-                       const float* f, int64_t p0, int64_t p1, int8_t* w8, float* wscale, int32_t* wsum) {
+                       const float* f, const int64_t* outl, int64_t n_out, int64_t p0, int64_t p1, int8_t* w8,
+                       float* wscale, int32_t* wsum, float* wscale2, int32_t* wsum2) {
+  const int64_t KP = K + AMX_K, group = K / G;
+  __m512 col[AMX_K];
   if constexpr (BITS != 6) {
     constexpr int PER = BITS == 4 ? 8 : 4;
-    const int64_t steps_per_group = K / G / PER;
+    const int64_t steps_per_group = group / PER;
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* c = codes + p * PANEL * K * BITS / 8;
+      int8_t* o = w8 + (p - p0) * PANEL * KP;
+      const int64_t n = (p - p0) * PANEL;
       __m512 v[PER], amax = _mm512_setzero_ps();
       for (int64_t g = 0; g < G; ++g) {
         const __m512 sc = scale.load(p, g), bi = bias.v ? bias.load(p, g) : _mm512_setzero_ps();
@@ -858,12 +907,10 @@ void requantize_panels(const uint8_t* codes, const GroupValues& scale, const Gro
           for (int i = 0; i < PER; ++i) amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
         }
       }
-      const int64_t n = (p - p0) * PANEL;
       _mm512_storeu_ps(wscale + n, _mm512_div_ps(amax, _mm512_set1_ps(127.f)));
       const __mmask16 live = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
       const __m512 inv = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.f), amax);
       __m512i sum = _mm512_setzero_si512();
-      int8_t* o = w8 + (p - p0) * PANEL * K;
       for (int64_t g = 0; g < G; ++g) {
         const __m512 sc = scale.load(p, g), bi = bias.v ? bias.load(p, g) : _mm512_setzero_ps();
         for (int64_t q = g * steps_per_group; q < (g + 1) * steps_per_group; ++q) {
@@ -882,14 +929,28 @@ void requantize_panels(const uint8_t* codes, const GroupValues& scale, const Gro
         }
       }
       _mm512_storeu_si512(wsum + n, sum);
+      for (int64_t i = 0; i < n_out; ++i) {  // the outlier channels' values, 16 rows at a time
+        const int64_t k = outl[i], g = k / group;
+        const __m512i d = _mm512_loadu_si512(c + k / PER * 64);
+        const int j = static_cast<int>(k % PER);
+        const __m512i code =
+            BITS == 4 ? _mm512_and_si512(_mm512_srl_epi32(d, _mm_cvtsi32_si128(j < 4 ? 8 * j : 8 * (j - 4) + 4)),
+                                         _mm512_set1_epi32(15))
+                      : _mm512_sra_epi32(_mm512_sll_epi32(d, _mm_cvtsi32_si128(24 - 8 * j)), _mm_cvtsi32_si128(24));
+        col[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), scale.load(p, g),
+                                 bias.v ? bias.load(p, g) : _mm512_setzero_ps());
+      }
+      quantize_outlier_block(col, n_out, o + PANEL * K, wscale2 + n, wsum2 + n);
     }
     return;
   }
   std::vector<float> sc(G), bi(G), row(K);
-  for (int64_t p = p0; p < p1; ++p)
+  alignas(64) float cols[AMX_K][PANEL];
+  for (int64_t p = p0; p < p1; ++p) {
     for (int64_t r = 0; r < PANEL; ++r) {
       row_values(scale, bias, G, p, r, sc.data(), bi.data());
-      dequant_row<BITS>(codes, p, r, sc.data(), bi.data(), K, K / G, row.data());
+      dequant_row<BITS>(codes, p, r, sc.data(), bi.data(), K, group, row.data());
+      for (int64_t i = 0; i < n_out; ++i) cols[i][r] = row[outl[i]];
       __m512 amax = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += 16) {
         const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(row.data() + k), _mm512_loadu_ps(f + k));
@@ -901,7 +962,7 @@ void requantize_panels(const uint8_t* codes, const GroupValues& scale, const Gro
       wscale[n] = a / 127.f;
       const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
       __m512i sum = _mm512_setzero_si512();
-      int8_t* o = w8 + (p - p0) * PANEL * K + 4 * r;
+      int8_t* o = w8 + (p - p0) * PANEL * KP + 4 * r;
       for (int64_t k = 0; k < K; k += 16) {  // 16 codes: 4 steps of this row's 4 bytes
         const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row.data() + k), inv));
         sum = _mm512_add_epi32(sum, c);
@@ -911,6 +972,10 @@ void requantize_panels(const uint8_t* codes, const GroupValues& scale, const Gro
       }
       wsum[n] = _mm512_reduce_add_epi32(sum);
     }
+    for (int64_t i = 0; i < n_out; ++i) col[i] = _mm512_load_ps(cols[i]);
+    const int64_t n = (p - p0) * PANEL;
+    quantize_outlier_block(col, n_out, w8 + (p - p0) * PANEL * KP + PANEL * K, wscale2 + n, wsum2 + n);
+  }
 }
 
 // out [M, N] = x [M, K] @ W^T: per thread a block of panels re-quantized, then every 32-row block of x against it
@@ -919,20 +984,31 @@ void amx_gemm_impl(const Panels& a, const T* x, int64_t M, const float* wmax, bo
   // gated: W is gate|up (N / 2 rows each) and out [M, N / 2] = SiLU(x gate^T) * (x up^T): gate panel i and up
   // panel i are re-quantized side by side, so each pair of B tiles yields both and the product never goes to memory
   const int64_t K = a.K, N = a.N, P = (gated ? N / 2 : N) / PANEL, Mp = (M + 31) / 32 * 32;
-  const int64_t N_out = P * PANEL;
-  std::vector<float> f = column_absmax(x, M, K), inv_f(K);
+  const int64_t N_out = P * PANEL, KP = K + AMX_K, n_out = std::min(AMX_K, K / 4);
+  // the outlier channels: the n_out with the largest max|x| max|w|, which set the rows' ranges even smoothed
+  std::vector<float> f = column_absmax(x, M, K), inv_f(K), weight(K);
+  for (int64_t k = 0; k < K; ++k) weight[k] = f[k] * wmax[k];
+  std::vector<int64_t> outl(K);
+  std::iota(outl.begin(), outl.end(), 0);
+  std::partial_sort(outl.begin(), outl.begin() + n_out, outl.end(),
+                    [&](int64_t i, int64_t j) { return weight[i] > weight[j]; });
+  outl.resize(n_out);
   for (int64_t k = 0; k < K; ++k) {  // a column all zero on either side keeps its factor 1
     f[k] = f[k] > 0.f && wmax[k] > 0.f ? std::sqrt(f[k] / wmax[k]) : 1.f;
     inv_f[k] = 1.f / f[k];
   }
-  // rows a power of two apart share a few cache sets, and a tile load reads 16 of them: a line of padding spreads them
-  const int64_t lda = K + 64;
+  for (const int64_t k : outl) f[k] = inv_f[k] = 0.f;  // out of the main part, on both sides
+  // a row: K codes, then the outlier block. Its length (not a power of two) also keeps the 16 rows a tile load
+  // reads out of each other's cache sets.
+  const int64_t lda = KP;
   // scratch from torch's allocator, uninitialized: a fresh zeroed vector cost page faults on every call
   auto xq_t = at::empty({Mp * lda}, at::kByte);
-  auto xscale_t = at::empty({Mp}, at::kFloat);
+  auto xscale_t = at::empty({2, Mp}, at::kFloat);
   uint8_t* xq = xq_t.data_ptr<uint8_t>();
   float* xscale = xscale_t.data_ptr<float>();
+  float* xscale2 = xscale + Mp;
   quantize_rows_u8(x, M, Mp, K, lda, inv_f.data(), xq, xscale);
+  quantize_outliers(x, M, Mp, K, lda, outl.data(), n_out, xq, xscale2);
   const int64_t threads = at::get_num_threads();
   const int64_t most = std::max<int64_t>(2, (AMX_BLOCK_KIB << 10) / (PANEL * K)) / (gated ? 2 : 1);  // per block
   int64_t blocks = (P + most - 1) / most;
@@ -940,28 +1016,35 @@ void amx_gemm_impl(const Panels& a, const T* x, int64_t M, const float* wmax, bo
   const int64_t per = (P + blocks - 1) / blocks;
   const GroupValues sv = a.scales(), bv = a.biases();
   const int64_t slots = gated ? 2 * per : per;  // re-quantized panels a block holds
-  const int64_t w8_bytes = slots * PANEL * K, part_ints = (slots + 1) / 2 * 32 * 32;  // part: a pair's 32 x 32 sums
+  const int64_t w8_bytes = slots * PANEL * KP;
+  const int64_t part_ints = ((slots + 1) / 2 + 1) * 32 * 32;  // part: a pair's 32 x 32 sums, and the outliers'
   auto w8_t = at::empty({threads, w8_bytes}, at::kChar);
   auto part_t = at::empty({threads, part_ints}, at::kInt);
-  auto ws_t = at::empty({threads, 2, slots * PANEL}, at::kFloat);
+  auto ws_t = at::empty({threads, 4, slots * PANEL}, at::kFloat);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     configure_tiles();
     const int64_t t = at::get_thread_num();
     int8_t* w8 = w8_t.data_ptr<int8_t>() + t * w8_bytes;
     int32_t* part = part_t.data_ptr<int32_t>() + t * part_ints;
-    float* wscale = ws_t.data_ptr<float>() + t * 2 * slots * PANEL;
+    int32_t* part2 = part + part_ints - 32 * 32;
+    float* wscale = ws_t.data_ptr<float>() + t * 4 * slots * PANEL;
     int32_t* wsum = reinterpret_cast<int32_t*>(wscale + slots * PANEL);
+    float* wscale2 = wscale + 2 * slots * PANEL;
+    int32_t* wsum2 = reinterpret_cast<int32_t*>(wscale + 3 * slots * PANEL);
+    const auto requantize = [&](int64_t q0, int64_t q1, int64_t slot) {  // panels q0..q1 into slots from `slot`
+      requantize_panels<BITS>(a.c(), sv, bv, K, a.G, f.data(), outl.data(), n_out, q0, q1, w8 + slot * PANEL * KP,
+                              wscale + slot * PANEL, wsum + slot * PANEL, wscale2 + slot * PANEL,
+                              wsum2 + slot * PANEL);
+    };
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t p0 = b * per, p1 = std::min(P, p0 + per);
       if (p0 >= p1) continue;
       if (gated) {
         for (int64_t i = 0; i < p1 - p0; ++i)
           for (int64_t h = 0; h < 2; ++h)  // slot 2i: gate panel p0 + i, slot 2i + 1: its up panel
-            requantize_panels<BITS>(a.c(), sv, bv, K, a.G, f.data(), p0 + i + h * P, p0 + i + h * P + 1,
-                                    w8 + (2 * i + h) * PANEL * K, wscale + (2 * i + h) * PANEL,
-                                    wsum + (2 * i + h) * PANEL);
+            requantize(p0 + i + h * P, p0 + i + h * P + 1, 2 * i + h);
       } else {
-        requantize_panels<BITS>(a.c(), sv, bv, K, a.G, f.data(), p0, p1, w8, wscale, wsum);
+        requantize(p0, p1, 0);
       }
       const int64_t used = gated ? 2 * (p1 - p0) : p1 - p0;  // slots filled
       const int64_t pairs = (used + 1) / 2;
@@ -972,7 +1055,7 @@ void amx_gemm_impl(const Panels& a, const T* x, int64_t M, const float* wmax, bo
           const bool last = ke == K;
           for (int64_t j = 0; j < pairs; ++j) {
             const bool two = 2 * j + 1 < used;
-            const int8_t* wa = w8 + 2 * j * PANEL * K;
+            const int8_t* wa = w8 + 2 * j * PANEL * KP;
             int32_t* c = part + j * 32 * 32;
             if (kb == 0) {
               _tile_zero(0);
@@ -992,7 +1075,7 @@ void amx_gemm_impl(const Panels& a, const T* x, int64_t M, const float* wmax, bo
               _tile_dpbusd(0, 4, 6);
               _tile_dpbusd(2, 5, 6);
               if (two) {
-                _tile_loadd(7, wa + PANEL * K + k0 * PANEL, 64);
+                _tile_loadd(7, wa + PANEL * KP + k0 * PANEL, 64);
                 _tile_dpbusd(1, 4, 7);
                 _tile_dpbusd(3, 5, 7);
               }
@@ -1002,16 +1085,41 @@ void amx_gemm_impl(const Panels& a, const T* x, int64_t M, const float* wmax, bo
             _tile_stored(2, c + 16 * 32, 128);
             _tile_stored(3, c + 16 * 32 + 16, 128);
             if (!last) continue;
+            // the outlier block: one more tile step, on its own scales
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_loadd(4, xa + K, lda);
+            _tile_loadd(5, xa + 16 * lda + K, lda);
+            _tile_loadd(6, wa + K * PANEL, 64);
+            _tile_dpbusd(0, 4, 6);
+            _tile_dpbusd(2, 5, 6);
+            if (two) {
+              _tile_loadd(7, wa + PANEL * KP + K * PANEL, 64);
+              _tile_dpbusd(1, 4, 7);
+              _tile_dpbusd(3, 5, 7);
+            }
+            _tile_stored(0, part2, 128);
+            _tile_stored(1, part2 + 16, 128);
+            _tile_stored(2, part2 + 16 * 32, 128);
+            _tile_stored(3, part2 + 16 * 32 + 16, 128);
             const int64_t rows = std::min<int64_t>(32, M - m0);
-            __m512 ws[2];
-            __m512i off[2];  // 128 x the code sums
+            __m512 ws[2], ws2[2];
+            __m512i off[2], off2[2];  // 128 x the code sums
             for (int h = 0; h < (two ? 2 : 1); ++h) {
-              ws[h] = _mm512_loadu_ps(wscale + (2 * j + h) * PANEL);
-              off[h] = _mm512_slli_epi32(_mm512_loadu_si512(wsum + (2 * j + h) * PANEL), 7);
+              const int64_t n = (2 * j + h) * PANEL;
+              ws[h] = _mm512_loadu_ps(wscale + n);
+              off[h] = _mm512_slli_epi32(_mm512_loadu_si512(wsum + n), 7);
+              ws2[h] = _mm512_loadu_ps(wscale2 + n);
+              off2[h] = _mm512_slli_epi32(_mm512_loadu_si512(wsum2 + n), 7);
             }
             const auto value = [&](int64_t i, int h) {
               const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(c + i * 32 + 16 * h), off[h]));
-              return _mm512_mul_ps(v, _mm512_mul_ps(ws[h], _mm512_set1_ps(xscale[m0 + i])));
+              const __m512 v2 =
+                  _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(part2 + i * 32 + 16 * h), off2[h]));
+              return _mm512_fmadd_ps(v, _mm512_mul_ps(ws[h], _mm512_set1_ps(xscale[m0 + i])),
+                                     _mm512_mul_ps(v2, _mm512_mul_ps(ws2[h], _mm512_set1_ps(xscale2[m0 + i]))));
             };
             for (int64_t i = 0; i < rows; ++i) {
               if (gated) {
