@@ -27,7 +27,7 @@ FEATURES = ("fixed", "prefill_tokens", "decode_seqs", "context_tokens")
 MIN_SAMPLES = 8  # fitted only after this many timed steps, some with prefill, some without
 WINDOW = 256
 HALF_LIFE = 64  # steps: older samples weigh half as much
-DEFAULT_TARGET_FACTOR = 5.0  # p99 TPOT within ~3x p50 in a burst, TTFT near a token-budget step's (docs/performance.md)
+DEFAULT_TARGET_FACTOR = 4.0  # p99 TPOT within ~3x p50 in a burst, TTFT near a token-budget step's (docs/performance.md)
 
 
 @dataclass(frozen=True, slots=True)
