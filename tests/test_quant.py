@@ -184,7 +184,7 @@ def test_int4_without_our_kernel_matches(zero):
 
 AMX = pytest.mark.skipif(not (torch.ops.pagedserve.amx_int8() if cpu_kernels.load() else False),
                          reason="this CPU has no AMX-INT8 (the GEMM's other paths are tested on every CPU)")
-AMX_TABLE = KernelTable(cpp=True, quant_gemm_amx=True)
+AMX_TABLE = KernelTable(cpp=True, quant_gemm_amx=True, quant_gemm_amx_min_weights=0)
 # x and W both as int8 codes with a scale per row, smoothed per channel: ~1e-2 for Gaussian x (measured 1.1e-2)
 AMX_TOL = 3e-2
 
@@ -213,7 +213,7 @@ def test_column_absmax_matches_dequantize(which):
 
 def test_amx_route_choice():
     """Decoder projections with K in whole tiles take the AMX GEMM above the GEMV's rows; the LM head
-    (`row_int8=False`) and a K of 32 keep the bf16 tiles."""
+    (`row_int8=False`), a K of 32 and a matrix under quant_gemm_amx_min_weights keep the bf16 tiles."""
     qw = _amx_weights()[0]
     assert "rows 65+: int4 AMX-INT8 GEMM (ours)" in linear(qw, torch.float32, AMX_TABLE).describe_routes()
     head = Linear(192, 48, row_int8=False)
@@ -222,6 +222,8 @@ def test_amx_route_choice():
     assert "rows 65+: int4 tiled GEMM (ours)" in head.describe_routes()
     odd = Int4Weight.quantize(torch.randn(16, 96), 32)
     assert "tiled GEMM" in linear(odd, torch.float32, AMX_TABLE).describe_routes()
+    small = KernelTable(cpp=True, quant_gemm_amx=True, quant_gemm_amx_min_weights=48 * 192 + 1)
+    assert "tiled GEMM" in linear(_amx_weights()[0], torch.float32, small).describe_routes()
 
 
 @AMX
@@ -274,10 +276,10 @@ def test_amx_engine_agrees_with_bf16_tiles(smollm):
     ids = smollm.tokenizer.encode(text * 2, add_special_tokens=False)[:160]
     sp = SamplingParams(max_tokens=0, prompt_logprobs=1)
     outs = []
-    for policy in ("quant_gemm_amx=off", "quant_gemm_amx=on"):
+    for policy in ("quant_gemm_amx=off", "quant_gemm_amx=on,quant_gemm_amx_min_weights=0"):
         llm = LLM(smollm.path, dtype="float32", kernel_policy=policy, memory_gib=0.25)
         routes = llm.engine.runner.model.layers[0].mlp.gate_up_proj.describe_routes()
-        assert ("AMX-INT8" in routes) == policy.endswith("on")
+        assert ("AMX-INT8" in routes) == policy.endswith("=0")
         outs.append(llm.generate([ids], sp)[0].prompt_logprobs[1:])
         del llm
     same = sum(a.top[0][0] == b.top[0][0] for a, b in zip(*outs))

@@ -56,6 +56,9 @@ class KernelTable:
     # ... and that GEMM on AMX-INT8 (int8 codes of activations and weights) instead of bf16 tiles, where the CPU
     # and the build have AMX (bench_quant_linear.py; quality: `pagedserve eval`, docs/performance.md)
     quant_gemm_amx: bool = False
+    # ... for projections of at least this many weights: at SmolLM2-135M's sizes the per-call costs (column maxima,
+    # re-quantization) outweigh the faster GEMM (bench_quant_gemm.py --model 135m)
+    quant_gemm_amx_min_weights: int = 1 << 21
     # without our kernels: torch's `_weight_int8pack_mm` up to this many rows, a GEMM on the codes above
     torch_int8_max_rows: int = 8
     # without our kernels, fp32 models: torch's packed int kernels run in bf16 (probe_torch_int_bf16)

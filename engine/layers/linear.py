@@ -195,12 +195,14 @@ def _quant_routes(w: QuantWeight, bias: torch.Tensor | None, table: KernelTable,
 
 
 def _panel_gemm(w: Int4Weight | Int8Weight, name: str, table: KernelTable, row_int8: bool) -> Route:
-    """The many-row route of a weight in our panels: AMX-INT8 where the table says so (K in whole tiles)."""
-    if table.quant_gemm_amx and row_int8 and w.shape[1] % 64 == 0:
+    """The many-row route of a weight in our panels: AMX-INT8 where the table says so (K in whole tiles, the matrix
+    large enough)."""
+    n, k = w.shape
+    if table.quant_gemm_amx and row_int8 and k % 64 == 0 and n * k >= table.quant_gemm_amx_min_weights:
         if w.column_max is None:
             w.column_max = w.column_absmax()
         # no padding: our kernel keeps nothing per shape
-        gated = (lambda x: w.amx_gemm(x, silu_mul=True)) if w.shape[0] % 32 == 0 else None  # gate, up: panels
+        gated = (lambda x: w.amx_gemm(x, silu_mul=True)) if n % 32 == 0 else None  # gate, up: whole panels
         return Route(ANY, f"{name} AMX-INT8 GEMM (ours)", w.amx_gemm, gated)
     return Route(ANY, f"{name} tiled GEMM (ours)", padded(w.gemm))
 
