@@ -690,8 +690,8 @@ at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
 // AMX multiplies u8 by s8 at twice its bf16 rate, so a prefill-sized GEMM runs on int8 codes of both sides: each
 // activation row gets one scale (its absmax / 127; u8 codes c + 128, the 128 taken off through the weights' code
 // sums), and each weight row one scale, its codes re-quantized from the group values per call (no resident int8
-// copy: it would double a 4-bit model's memory). One scale per row alone cost the bundled model 3-4 % perplexity,
-// as a few channels carry most of the range; two things bring it within ~0.5 % (docs/performance.md):
+// copy: it would double a 4-bit model's memory). One scale per row alone lost the bundled model's perplexity
+// visibly, as a few channels carry most of the range; two things bring it near the reference (docs/performance.md):
 // - as SmoothQuant does, channel k of x is divided by f_k = sqrt(max_m |x_mk| / max_n |w_nk|) and column k of W
 //   multiplied by it (the product is unchanged), which evens the ranges of both sides; the activations' maxima
 //   are this call's, the weights' taken once at load (panel_column_absmax);

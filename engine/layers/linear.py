@@ -65,7 +65,7 @@ def padded(run: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tenso
 class Linear(nn.Module):
     """x [rows, in_features] -> [rows, out_features]. Holds `weight` (dense) or `qweight` (quantized), not both.
     `row_int8`: whether a many-row GEMM may round x to int8 codes with one scale per row (the AMX route); the LM
-    head says no, as its logits feed sampling and logprobs directly (perplexity moved 4x as much with it)."""
+    head says no, as its logits feed sampling and logprobs directly (docs/performance.md has what it cost)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, row_int8: bool = True) -> None:
         super().__init__()
