@@ -54,7 +54,7 @@ class KernelTable:
     # int8/int4 in our panels: our GEMV up to this many rows, our tiled GEMM above (bench_quant_linear.py)
     quant_gemv_max_rows: int = 64
     # ... and that GEMM on AMX-INT8 (int8 codes of activations and weights) instead of bf16 tiles, where the CPU
-    # and the build have AMX (bench_quant_linear.py; quality: `pagedserve eval`, docs/performance.md)
+    # and the build have AMX (bench_quant_gemm.py; quality: `pagedserve eval`, docs/performance.md)
     quant_gemm_amx: bool = False
     # ... for projections of at least this many weights: at SmolLM2-135M's sizes the per-call costs (column maxima,
     # re-quantization) outweigh the faster GEMM (bench_quant_gemm.py --model 135m)
