@@ -160,7 +160,7 @@ class Int4Weight(QuantWeight):
     def amx_gemm(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         """Ours, panels, AMX: int8 codes of x (a scale per row) times the weights re-quantized to int8 per row,
         both sides smoothed per channel by the column maxima (`column_absmax`, taken when the route is chosen),
-        the channels with the largest maxima apart with scales of their own (engine/csrc/quant_linear.cpp).
+        the channels with the largest maxima apart with scales of their own (engine/csrc/amx_gemm.cpp).
         `silu_mul` (a fused gate|up weight): SiLU(gate) * up, computed as the products are."""
         return torch.ops.pagedserve.int4_amx_gemm(x, self.codes, self.scale, self.bias, self.scale_d, self.bias_d,
                                                   self.column_max, silu_mul)

@@ -1,6 +1,6 @@
 """How quantized codes sit in memory: 4-bit codes two to a byte, and the 16-row panels our C++ kernels read.
 
-Panels exist so that one 64-byte load feeds 16 output rows at once (engine/csrc/quant_linear.cpp).
+Panels exist so that one 64-byte load feeds 16 output rows at once (engine/csrc/panels.h).
 """
 
 from __future__ import annotations
