@@ -17,7 +17,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 from pagedserve.benchmarks import common, gguf_quants, steady_streams, workloads
 
@@ -27,12 +26,7 @@ async def _prefill(url: str, prompts: list[str]) -> list[float]:
 
     client = openai.AsyncOpenAI(base_url=url, api_key="none")
     model = (await client.models.list()).data[0].id
-    rates = []
-    for prompt in prompts:
-        t0 = time.perf_counter()
-        r = await client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
-        rates.append(r.usage.prompt_tokens / (time.perf_counter() - t0))
-    return rates
+    return [rate for rate, _ in await steady_streams.prefill_rates(client, model, prompts)]
 
 
 def main(argv: list[str] | None = None) -> None:

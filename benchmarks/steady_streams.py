@@ -78,15 +78,20 @@ async def _run(base_url: str, reqs: list[tuple[str, int]]) -> dict:
     return summarize(results, wall) | alone
 
 
+async def prefill_rates(client, model: str, prompts: list[str]) -> list[tuple[float, int]]:
+    """Each prompt alone, one after another (`max_tokens=1`): (prompt tokens per second, prompt tokens)."""
+    out = []
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        r = await client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
+        out.append((r.usage.prompt_tokens / (time.perf_counter() - t0), r.usage.prompt_tokens))
+    return out
+
+
 async def _alone(client, model: str) -> dict:
     """One request at a time on the idle server: prefill tokens/s of a long prompt, TPOT of one stream."""
     words = workloads.load_words()
-    prefill = []
-    for start in (1000, 20000):
-        t0 = time.perf_counter()
-        r = await client.completions.create(model=model, prompt=" ".join(words[start:start + PREFILL_WORDS]),
-                                            max_tokens=1, temperature=0)
-        prefill.append((r.usage.prompt_tokens / (time.perf_counter() - t0), r.usage.prompt_tokens))
+    prefill = await prefill_rates(client, model, [" ".join(words[s:s + PREFILL_WORDS]) for s in (1000, 20000)])
     times = (await _one(client, model, " ".join(words[500:540]), 64))["times"]
     best = max(prefill)
     return {"prefill_tok_s": best[0], "prefill_prompt_tokens": best[1],

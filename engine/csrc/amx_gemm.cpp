@@ -66,6 +66,41 @@ inline void configure_tiles() {
   _tile_loadconfig(&c);
 }
 
+// the output block's tiles 0-3 <- zero, or the 32 x 32 int32 block at c (row stride 32), and back
+inline void zero_sums() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+inline void load_sums(const int32_t* c) {
+  _tile_loadd(0, c, 128);
+  _tile_loadd(1, c + 16, 128);
+  _tile_loadd(2, c + 16 * 32, 128);
+  _tile_loadd(3, c + 16 * 32 + 16, 128);
+}
+inline void store_sums(int32_t* c) {
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  _tile_stored(2, c + 16 * 32, 128);
+  _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+// one tile step: codes k0..k0+63 of 32 activation rows (xa, row stride lda) times those of one panel (wa) or two
+// (the second panel_bytes further on), added into tiles 0-3
+inline void tile_step(const uint8_t* xa, int64_t lda, const int8_t* wa, int64_t panel_bytes, int64_t k0, bool two) {
+  _tile_loadd(4, xa + k0, lda);
+  _tile_loadd(5, xa + 16 * lda + k0, lda);
+  _tile_loadd(6, wa + k0 * PANEL, 64);
+  _tile_dpbusd(0, 4, 6);
+  _tile_dpbusd(2, 5, 6);
+  if (two) {
+    _tile_loadd(7, wa + panel_bytes + k0 * PANEL, 64);
+    _tile_dpbusd(1, 4, 7);
+    _tile_dpbusd(3, 5, 7);
+  }
+}
+
 // 16 activations widened to fp32
 template <typename T>
 inline __m512 load16f(const T* x) {
@@ -399,53 +434,16 @@ void amx_gemm_impl(const Panels& a, const T* x, int64_t M, const float* wmax, bo
             const bool two = 2 * j + 1 < used;
             const int8_t* wa = w8 + 2 * j * PANEL * KP;
             int32_t* c = part + j * 32 * 32;
-            if (kb == 0) {
-              _tile_zero(0);
-              _tile_zero(1);
-              _tile_zero(2);
-              _tile_zero(3);
-            } else {
-              _tile_loadd(0, c, 128);
-              _tile_loadd(1, c + 16, 128);
-              _tile_loadd(2, c + 16 * 32, 128);
-              _tile_loadd(3, c + 16 * 32 + 16, 128);
-            }
-            for (int64_t k0 = kb; k0 < ke; k0 += AMX_K) {
-              _tile_loadd(4, xa + k0, lda);
-              _tile_loadd(5, xa + 16 * lda + k0, lda);
-              _tile_loadd(6, wa + k0 * PANEL, 64);
-              _tile_dpbusd(0, 4, 6);
-              _tile_dpbusd(2, 5, 6);
-              if (two) {
-                _tile_loadd(7, wa + PANEL * KP + k0 * PANEL, 64);
-                _tile_dpbusd(1, 4, 7);
-                _tile_dpbusd(3, 5, 7);
-              }
-            }
-            _tile_stored(0, c, 128);
-            _tile_stored(1, c + 16, 128);
-            _tile_stored(2, c + 16 * 32, 128);
-            _tile_stored(3, c + 16 * 32 + 16, 128);
+            if (kb == 0)
+              zero_sums();
+            else
+              load_sums(c);
+            for (int64_t k0 = kb; k0 < ke; k0 += AMX_K) tile_step(xa, lda, wa, PANEL * KP, k0, two);
+            store_sums(c);
             if (!last) continue;
-            // the outlier block: one more tile step, on its own scales
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            _tile_loadd(4, xa + K, lda);
-            _tile_loadd(5, xa + 16 * lda + K, lda);
-            _tile_loadd(6, wa + K * PANEL, 64);
-            _tile_dpbusd(0, 4, 6);
-            _tile_dpbusd(2, 5, 6);
-            if (two) {
-              _tile_loadd(7, wa + PANEL * KP + K * PANEL, 64);
-              _tile_dpbusd(1, 4, 7);
-              _tile_dpbusd(3, 5, 7);
-            }
-            _tile_stored(0, part2, 128);
-            _tile_stored(1, part2 + 16, 128);
-            _tile_stored(2, part2 + 16 * 32, 128);
-            _tile_stored(3, part2 + 16 * 32 + 16, 128);
+            zero_sums();  // the outlier block: one more tile step, on its own scales
+            tile_step(xa, lda, wa, PANEL * KP, K, two);
+            store_sums(part2);
             const int64_t rows = std::min<int64_t>(32, M - m0);
             __m512 ws[2], ws2[2];
             __m512i off[2], off2[2];  // 128 x the code sums
