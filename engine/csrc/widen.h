@@ -86,7 +86,6 @@ inline float fast_exp(float x) {
   return x < -87.f ? 0.f : r;
 }
 
-
 // round to the storage type and back: where the PyTorch path materialises an intermediate in T
 template <typename T>
 inline float rnd(float x) {
@@ -101,4 +100,5 @@ inline T silu_times(float g, float u) {
   const float sig = (a >= 0.f ? 1.f : e) / (1.f + e);
   return narrow<T>(rnd<T>(a * sig) * rnd<T>(u));
 }
+
 }  // namespace pagedserve
