@@ -1,10 +1,11 @@
 """Memory-allocator settings for serving on a CPU, applied when an engine is built (`tune`), never on import.
 
 Transparent huge pages: torch's CPU allocator asks for them (madvise) on allocations of 2 MiB and more when
-THP_MEM_ALLOC_ENABLE is set, and reads the variable at its first such allocation. A decode step streams every
-weight, and with 4 KiB pages the hardware prefetcher stops at each page. Set it yourself before importing torch
-for it to cover everything (`pagedserve` does, at the start of its command line); `tune` sets it for a process
-that has not made a large allocation yet. A value the user set is kept.
+THP_MEM_ALLOC_ENABLE is set, and reads the variable once, at the first tensor the process allocates (of any
+size). A decode step streams every weight, and with 4 KiB pages the hardware prefetcher stops at each page.
+`tune` sets it for a process that has not allocated a tensor yet, which is why no module of ours makes one on
+import (tests/test_allocator.py); a process that made tensors before building an engine keeps 4 KiB pages unless
+it set the variable first. A value the user set is kept.
 
 Freed blocks: glibc, left to itself, hands every such 2 MiB-aligned block back to the kernel when it is freed, so
 each new one faults in (and zeroes) fresh pages: a prefill step's activations and logits paid for that on every

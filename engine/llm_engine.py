@@ -67,9 +67,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, model: LlamaModel | None = None,
                  tokenizer=None, **kwargs) -> None:
         """`model` / `tokenizer` may be passed pre-built (tests and benchmarks share one load)."""
+        allocator.tune()  # before torch allocates anything here: the weights, the configs' tensors
         config = config or make_config(**kwargs)
         model_path = resolve_model(config.model, config.revision, config.gguf_file).path
-        allocator.tune()  # before the weights are allocated
         self.config = config
         self.model_path = model_path
         self.model_config = load_config(model_path)

@@ -38,3 +38,31 @@ def test_importing_the_engine_changes_nothing():
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise", reason="needs transparent huge pages in madvise mode to tell")
+def test_no_module_makes_a_tensor_on_import():
+    """torch fixes its huge-page setting at the process's first tensor: after importing every engine and server
+    module, `tune` must still be in time, so the weights an engine loads next sit on 2 MiB pages."""
+    from test_imports import RAY_MODULES, _modules
+
+    mods = sorted(m for m in _modules() if m.startswith(("pagedserve.engine", "pagedserve.server"))
+                  and m not in ("pagedserve.server.__main__", *RAY_MODULES))
+    code = ("import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+            "from pagedserve.engine import allocator\nimport torch\nallocator.tune()\n"
+            "x = torch.ones(64 << 20, dtype=torch.uint8)\n"
+            "rollup = dict(l.split(':', 1) for l in open('/proc/self/smaps_rollup') if ':' in l)\n"
+            "print(int(rollup['AnonHugePages'].split()[0]) >> 10)")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", code, *mods], cwd="/", env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) >= 32, "a module made a tensor on import: huge pages came too late"

@@ -77,7 +77,7 @@ def test_nibbles_and_nf4_levels():
     panels = int8_to_panels(q)  # our int8 kernels' layout: 4 codes of 16 rows per 64 bytes
     assert panels.shape == (2, 16 * 64) and torch.equal(int8_from_panels(panels), q)
     assert panels[1, 64 + 4 * 3 + 2] == q[16 + 3, 4 + 2]  # panel 1, step 1, row 3, code 2
-    w = (NF4_LEVELS.repeat(4) * 3.0)[None, :]  # every level exactly, block absmax 3
+    w = (torch.tensor(NF4_LEVELS).repeat(4) * 3.0)[None, :]  # every level exactly, block absmax 3
     assert torch.allclose(NF4Weight.quantize(w).dequantize(), w, atol=1e-6)
 
 

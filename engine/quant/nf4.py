@@ -11,12 +11,13 @@ from pagedserve.engine.quant.layouts import pack_nibbles, unpack_nibbles
 from pagedserve.engine.quant.weight import QuantWeight, grouped
 
 NF4_BLOCK = 64
-# quantiles of N(0, 1) scaled to [-1, 1], with an exact zero
-NF4_LEVELS = torch.tensor([
+# quantiles of N(0, 1) scaled to [-1, 1], with an exact zero (a tuple: no tensor is made on import, which would
+# fix torch's huge-page setting before an engine sets it, engine/allocator.py)
+NF4_LEVELS = (
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
     0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-    0.7229568362236023, 1.0])
+    0.7229568362236023, 1.0)
 
 
 class NF4Weight(QuantWeight):
@@ -28,7 +29,7 @@ class NF4Weight(QuantWeight):
         self.shape = (codes.shape[0], codes.shape[1] * 2)
         self.block = self.shape[1] // absmax.shape[1]
         self.layout = None
-        self._levels = NF4_LEVELS
+        self._levels = torch.tensor(NF4_LEVELS)
 
     @classmethod
     def quantize(cls, w: torch.Tensor) -> NF4Weight:
@@ -38,7 +39,8 @@ class NF4Weight(QuantWeight):
         absmax = wg.abs().amax(dim=-1).clamp(min=1e-8).half()
         normed = wg / absmax.float()[:, :, None]
         # nearest level: midpoints between sorted levels are the decision boundaries
-        mids = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
+        levels = torch.tensor(NF4_LEVELS)
+        mids = (levels[1:] + levels[:-1]) / 2
         codes = torch.bucketize(normed.reshape(-1), mids).view(n, k)
         return cls(pack_nibbles(codes), absmax)
 
@@ -49,7 +51,7 @@ class NF4Weight(QuantWeight):
 
     def lay_out(self, device: torch.device) -> None:
         self.codes, self.absmax = self.codes.to(device), self.absmax.to(device)
-        self._levels = NF4_LEVELS.to(device)
+        self._levels = torch.tensor(NF4_LEVELS, device=device)
         self.layout = "codes"
 
     def tensors(self) -> list[torch.Tensor]:
