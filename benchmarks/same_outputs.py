@@ -40,6 +40,20 @@ print(json.dumps(out))
 """
 
 
+def difference(base: list, ours: list) -> dict:
+    """How far apart two runs are: the prompts whose greedy tokens part and the first step where one does, and the
+    largest gap between the two runs' logprobs of the same chosen token before that (after it the contexts
+    differ)."""
+    parted, first, gap = 0, None, 0.0
+    for (ta, la), (tb, lb) in zip(base, ours):
+        step = next((i for i, (a, b) in enumerate(zip(ta, tb)) if a != b), None)
+        if step is not None:
+            parted += 1
+            first = step if first is None else min(first, step)
+        gap = max([gap] + [abs(pa - pb) for (pa, _), (pb, _) in list(zip(la, lb))[:step]])
+    return {"prompts_parted": parted, "first_parting_step": first, "logprob_gap": gap}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = common.parser(__doc__, rounds=1)
     ap.add_argument("--formats", default="none,int8,int4,nf4,int8-tensor,int4-tensor")
@@ -61,14 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         for key, runs in base["runs"].items():
             same = runs == ours["runs"][key]
             tokens = sum(len(t) for t, _ in runs)
+            gap = difference(runs, ours["runs"][key])
             if not same:
                 failures += 1
-                where = next(i for i, (a, b) in enumerate(zip(runs, ours["runs"][key])) if a != b)
             print(f"{common.commit_of(ref)} vs this, {key:22}: {tokens} tokens, "
-                  + ("identical (tokens and every logprob)" if same else f"DIFFERENT (first in prompt {where})"),
+                  + ("identical (tokens and every logprob)" if same else
+                     f"DIFFERENT: {gap['prompts_parted']}/{len(runs)} prompts part (first at step "
+                     f"{gap['first_parting_step']}), logprobs of the same token up to {gap['logprob_gap']:.2g} apart"),
                   flush=True)
-            report[f"{ref}:{key}"] = same
-    common.write_json(args.json, {"identical": report})
+            report[f"{ref}:{key}"] = {"identical": same, **gap}
+    common.write_json(args.json, {"runs": report})
     return 1 if failures else 0
 
 
