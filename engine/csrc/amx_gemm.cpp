@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "panels.h"
+#include "vec16.h"
 #include "widen.h"
 
 #if defined(PAGEDSERVE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
@@ -26,6 +27,11 @@ namespace {
 using pagedserve::narrow;
 using pagedserve::widen;
 using namespace pagedserve::panels;
+#ifdef PAGEDSERVE_AMX
+using pagedserve::load16f;
+using pagedserve::round_to;
+using pagedserve::silu_times16;
+#endif
 
 // ---- many rows on AMX: int8 activations times int8 weights ------------------------------------------------
 // AMX multiplies u8 by s8 at twice its bf16 rate, so a prefill-sized GEMM runs on int8 codes of both sides: each
@@ -99,54 +105,6 @@ inline void tile_step(const uint8_t* xa, int64_t lda, const int8_t* wa, int64_t 
     _tile_dpbusd(1, 4, 7);
     _tile_dpbusd(3, 5, 7);
   }
-}
-
-// 16 activations widened to fp32
-template <typename T>
-inline __m512 load16f(const T* x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(x);
-  } else if constexpr (std::is_same_v<T, at::Half>) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  } else {
-    static_assert(std::is_same_v<T, at::BFloat16>);
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-  }
-}
-
-// 16 values rounded to T and back (nearest even; finite values)
-template <typename T>
-inline __m512 round_to(__m512 v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else if constexpr (std::is_same_v<T, at::Half>) {
-    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-  } else {
-    const __m512i b = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  }
-}
-
-// widen.h's silu_times on 16 lanes, step for step (the same values to the bit)
-template <typename T>
-inline __m512 silu_times16(__m512 g, __m512 u) {
-  const __m512 a = round_to<T>(g), x = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(a));
-  const __m512 magic = _mm512_set1_ps(12582912.f);
-  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)), _mm512_set1_ps(-126.f));
-  const __m512 i = _mm512_sub_ps(_mm512_add_ps(t, magic), magic), f = _mm512_sub_ps(t, i);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  for (const float c : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.0f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(i), 23));
-  const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_NLT_UQ),
-                                       _mm512_castsi512_ps(bits));
-  const __m512 one = _mm512_set1_ps(1.f);
-  const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GE_OQ), e, one);
-  const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(one, e));
-  return _mm512_mul_ps(round_to<T>(_mm512_mul_ps(a, sig)), round_to<T>(u));
 }
 
 // rows of x -> u8 codes (c + 128, rows M..Mp of zeros) at a row stride of lda, and a scale per row
@@ -463,7 +421,8 @@ void amx_gemm_impl(const Panels& a, const T* x, int64_t M, const float* wmax, bo
             };
             for (int64_t i = 0; i < rows; ++i) {
               if (gated) {
-                store16(out + (m0 + i) * N_out + (p0 + j) * PANEL, silu_times16<T>(value(i, 0), value(i, 1)));
+                store16(out + (m0 + i) * N_out + (p0 + j) * PANEL,
+                        silu_times16<T>(round_to<T>(value(i, 0)), round_to<T>(value(i, 1))));  // as stored
                 continue;
               }
               for (int h = 0; h < (two ? 2 : 1); ++h)

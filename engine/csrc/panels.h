@@ -13,16 +13,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec16.h"
 #include "widen.h"
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define PAGEDSERVE_AVX512 1
-#endif
-
 namespace pagedserve::panels {
+
+#ifdef PAGEDSERVE_AVX512
+using pagedserve::store16;
+using pagedserve::store32;
+#endif
 
 // ---- layout ----------------------------------------------------------------------------------------
 // w[n, k] = c * scale[n, g] + bias[n, g] for the code c of k in group g = k / group (a multiple of 32, or 16:
@@ -154,35 +153,6 @@ struct Panels {
 };
 
 #ifdef PAGEDSERVE_AVX512
-// 16 fp32 values -> T, rounding to nearest even (finite values: dequantized weights)
-template <typename T>
-inline void store16(T* dst, __m512 f) {
-  if constexpr (std::is_same_v<T, float>) {
-    _mm512_storeu_ps(dst, f);
-  } else if constexpr (std::is_same_v<T, at::Half>) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
-  } else {
-    static_assert(std::is_same_v<T, at::BFloat16>);
-    const __m512i b = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
-  }
-}
-
-// 32 fp32 values (lo, then hi) -> T: one instruction for bf16 where the CPU converts natively
-template <typename T>
-inline void store32(T* dst, __m512 lo, __m512 hi) {
-#ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
-    return;
-  }
-#endif
-  store16(dst, lo);
-  store16(dst + 16, hi);
-}
-
 // one row r of a panel back to K values: 16 of its 4-byte pieces (64 int8 codes, or 128 int4 ones whose nibbles
 // are then put in k order) per gather, widened 16 at a time and scaled by their group's scale (plus bias: int4)
 template <int BITS, typename T>

@@ -92,13 +92,13 @@ inline float rnd(float x) {
   return widen(narrow<T>(x));
 }
 
-// SiLU(g) * u as T, from a gate and an up value as a GEMM stores them (rounded to T): the sigmoid from
-// exp(-|g|) <= 1 (no overflow, and loops over it vectorise), the SiLU rounded to T as PyTorch's F.silu leaves it
+// SiLU(g) * u as T for a gate g and an up value u that are values of T (a GEMM's outputs as stored): the sigmoid
+// from exp(-|g|) <= 1 (no overflow, and loops over it vectorise), the SiLU rounded to T as PyTorch's F.silu leaves it
 template <typename T>
 inline T silu_times(float g, float u) {
-  const float a = rnd<T>(g), e = fast_exp(-std::fabs(a));
-  const float sig = (a >= 0.f ? 1.f : e) / (1.f + e);
-  return narrow<T>(rnd<T>(a * sig) * rnd<T>(u));
+  const float e = fast_exp(-std::fabs(g));
+  const float sig = (g >= 0.f ? 1.f : e) / (1.f + e);
+  return narrow<T>(rnd<T>(g * sig) * u);
 }
 
 }  // namespace pagedserve
