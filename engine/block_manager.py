@@ -66,10 +66,6 @@ class BlockManager:
         """Blocks an allocation can take now (free plus evictable cached)."""
         return len(self._free_queue)
 
-    @property
-    def num_cached_blocks(self) -> int:
-        return sum(1 for b in self._free_queue if self.blocks[b].hash is not None)
-
     def cached_free_blocks(self) -> list[int]:
         """Unreferenced blocks that still hold a published prefix (reusable on a hit, evicted when taken)."""
         return [b for b in self._free_queue if self.blocks[b].hash is not None]
@@ -214,13 +210,6 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free_queue[block_id] = None
                 self._free_queue.move_to_end(block_id, last=False)
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            if block.ref_count == 0:
-                block.hash = block.parent = None
-                block.token_ids = ()
-        self._hash_to_block = {h: b for h, b in self._hash_to_block.items() if self.blocks[b].hash == h}
 
     # ---- integrity -----------------------------------------------------------------------------
     def check_integrity(self, live_seqs: list[Sequence] | None = None) -> None:

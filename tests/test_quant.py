@@ -11,7 +11,7 @@ from pagedserve.engine import cpu_kernels
 from pagedserve.engine.layers.dispatch import KernelTable, kernel_table
 from pagedserve.engine.layers.linear import Linear
 from pagedserve.engine.machine import cpu
-from pagedserve.engine.quant.formats import FORMATS, cat, default_group_size, quantize, relative_error
+from pagedserve.engine.quant.formats import FORMATS, cat, default_group_size, quantize
 from pagedserve.engine.quant.int4 import Int4Weight
 from pagedserve.engine.quant.int8 import Int8Weight
 from pagedserve.engine.quant.layouts import (
@@ -36,6 +36,12 @@ GEMV_TOL = 1e-2
 # every split of a GEMV's rows into passes of 8, 4 and 1-3 rows, the threshold and the first GEMM row count
 ROW_COUNTS = [*range(1, 18), 31, INT8_PACKED_MAX_M, INT8_PACKED_MAX_M + 1]
 SHAPES = [(64, 128), (960, 576), (576, 1536), (3072, 576)]  # toy, then SmolLM2's qkv, down, gate|up
+
+
+def relative_error(w: torch.Tensor, qw) -> float:
+    """||W - W_hat|| / ||W|| (Frobenius), in fp32."""
+    w = w.float()
+    return ((w - qw.dequantize()).norm() / w.norm().clamp(min=1e-30)).item()
 
 
 def linear(qw, dtype: torch.dtype, table: KernelTable | None = None) -> Linear:

@@ -16,8 +16,6 @@ engine/layers/linear.py's choice.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from pagedserve.engine.quant.int4 import Int4Weight
@@ -97,9 +95,3 @@ def _cat_as_int8(parts: list[Int4Weight | Int8Weight]) -> Int8Weight:
     (scale, scale_d), (bias, bias_d) = values("scale"), values("bias")
     fmt = "+".join(dict.fromkeys(p.format for p in parts))
     return Int8Weight(torch.cat(q), scale, fmt, bias, scale_d, bias_d)
-
-
-def relative_error(w: torch.Tensor, qw: QuantWeight) -> float:
-    """‖W − Ŵ‖ / ‖W‖ (Frobenius), in fp32."""
-    w = w.float()
-    return (math.sqrt(((w - qw.dequantize()) ** 2).sum().item()) / max(w.norm().item(), 1e-30))
