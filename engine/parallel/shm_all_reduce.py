@@ -1,8 +1,8 @@
 """A shared-memory all-reduce for tensor-parallel ranks on one host's CPUs.
 
-Gloo sums over loopback sockets: ~390 µs per call for a decode step's [1, 896] fp32 on the development machine, 48
-calls a step; through shared memory the same sum takes ~13 µs (benchmarks/tensor_parallel.py). vLLM's and SGLang's
-CPU paths carry one too.
+Gloo sums over loopback sockets, and a decode step makes two such calls per layer: through shared memory the same
+sum costs a small fraction of that (benchmarks/tensor_parallel.py; figures in docs/tensor_parallel.md). vLLM's and
+SGLang's CPU paths carry one too.
 
 One segment in /dev/shm: a header (per rank, on its own cache line: the sequence number of its last published call
 and its pid), then two sets of slots, one slot per rank each, alternating by call parity. A call copies x into this
