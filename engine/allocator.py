@@ -5,7 +5,7 @@ THP_MEM_ALLOC_ENABLE is set, and reads the variable once, at the first tensor th
 size). A decode step streams every weight, and with 4 KiB pages the hardware prefetcher stops at each page.
 `tune` sets it for a process that has not allocated a tensor yet, which is why no module of ours makes one on
 import (tests/test_allocator.py); a process that made tensors before building an engine keeps 4 KiB pages unless
-it set the variable first. A value the user set is kept.
+it set the variable first, and `tune` logs a warning saying so. A value the user set is kept.
 
 Freed blocks: glibc, left to itself, hands every such 2 MiB-aligned block back to the kernel when it is freed, so
 each new one faults in (and zeroes) fresh pages: a prefill step's activations and logits paid for that on every
@@ -18,8 +18,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import logging
 import os
 
+logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _KEEP_BYTES = 1 << 30
 
@@ -30,9 +32,41 @@ def use_huge_pages() -> None:
 
 @functools.cache
 def tune() -> bool:
-    """Huge pages for torch's large CPU allocations, freed blocks kept for reuse; whether glibc took the latter."""
+    """Huge pages for torch's large CPU allocations, freed blocks kept for reuse; whether glibc took the latter.
+    Says so in the log when torch had fixed its page setting already."""
     use_huge_pages()
-    return _keep_freed_blocks()
+    kept = _keep_freed_blocks()
+    if torch_huge_pages() is False:
+        logger.warning("this process made a torch tensor before the engine, with THP_MEM_ALLOC_ENABLE unset, so the "
+                       "weights sit on 4 KiB pages and decode runs slower; set THP_MEM_ALLOC_ENABLE=1 before the "
+                       "first tensor")
+    return kept
+
+
+def torch_huge_pages() -> bool | None:
+    """Whether torch puts a large tensor on huge pages now (it reads THP_MEM_ALLOC_ENABLE at the process's first
+    tensor); None where that cannot be told: not Linux, or transparent huge pages not in `madvise` mode (`always`
+    gives them to every large allocation, `never` to none)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[madvise]" not in f.read():
+                return None
+    except OSError:
+        return None
+    import torch
+
+    probe = torch.empty(4 << 20, dtype=torch.uint8)  # over torch's 2 MiB threshold, whatever its alignment
+    addr = probe.data_ptr()
+    inside = False
+    with open("/proc/self/smaps") as f:  # the mapping holding the probe: torch's madvise marks it eligible
+        for line in f:
+            head = line.split(maxsplit=1)[0] if line.strip() else ""
+            if "-" in head and not head.endswith(":"):  # a mapping's first line, "start-end perms ..."
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("THPeligible:"):
+                return line.split()[1] == "1"
+    return None
 
 
 @functools.cache

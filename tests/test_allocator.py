@@ -48,7 +48,18 @@ def _thp_mode() -> str | None:
         return None
 
 
-@pytest.mark.skipif(_thp_mode() != "madvise", reason="needs transparent huge pages in madvise mode to tell")
+def _run(code: str, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd="/", env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.split()[-1] + "\n" + out.stderr
+
+
+MADVISE = pytest.mark.skipif(_thp_mode() != "madvise", reason="needs transparent huge pages in madvise mode to tell")
+
+
+@MADVISE
 def test_no_module_makes_a_tensor_on_import():
     """torch fixes its huge-page setting at the process's first tensor: after importing every engine and server
     module, `tune` must still be in time, so the weights an engine loads next sit on 2 MiB pages."""
@@ -60,9 +71,16 @@ def test_no_module_makes_a_tensor_on_import():
             "from pagedserve.engine import allocator\nimport torch\nallocator.tune()\n"
             "x = torch.ones(64 << 20, dtype=torch.uint8)\n"
             "rollup = dict(l.split(':', 1) for l in open('/proc/self/smaps_rollup') if ':' in l)\n"
-            "print(int(rollup['AnonHugePages'].split()[0]) >> 10)")
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    out = subprocess.run([sys.executable, "-c", code, *mods], cwd="/", env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert int(out.stdout.split()[-1]) >= 32, "a module made a tensor on import: huge pages came too late"
+            "print(allocator.torch_huge_pages() and int(rollup['AnonHugePages'].split()[0]) >> 10 >= 32)")
+    out = _run(code, *mods)
+    assert out.startswith("True"), "a module made a tensor on import: huge pages came too late\n" + out
+
+
+@MADVISE
+def test_a_tensor_before_the_engine_is_reported():
+    """A process that made a tensor first keeps 4 KiB pages; `tune` says so in the log, once."""
+    code = ("import logging, torch\nlogging.basicConfig()\ntorch.zeros(1)\n"
+            "from pagedserve.engine import allocator\nallocator.tune()\nallocator.tune()\n"
+            "print(allocator.torch_huge_pages())")
+    out = _run(code)
+    assert out.startswith("False") and out.count("THP_MEM_ALLOC_ENABLE=1") == 1, out
