@@ -43,15 +43,20 @@ def tune() -> bool:
     return kept
 
 
+def thp_mode() -> str | None:
+    """The kernel's transparent-huge-page mode ("always", "madvise", "never"); None off Linux."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
 def torch_huge_pages() -> bool | None:
     """Whether torch puts a large tensor on huge pages now (it reads THP_MEM_ALLOC_ENABLE at the process's first
     tensor); None where that cannot be told: not Linux, or transparent huge pages not in `madvise` mode (`always`
     gives them to every large allocation, `never` to none)."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            if "[madvise]" not in f.read():
-                return None
-    except OSError:
+    if thp_mode() != "madvise":
         return None
     import torch
 

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from pagedserve.engine import allocator
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -40,14 +42,6 @@ def test_importing_the_engine_changes_nothing():
     assert out.stdout.strip() == "ok", out.stderr
 
 
-def _thp_mode() -> str | None:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return None
-
-
 def _run(code: str, *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     out = subprocess.run([sys.executable, "-c", code, *args], cwd="/", env=env, capture_output=True, text=True,
@@ -56,7 +50,8 @@ def _run(code: str, *args: str) -> str:
     return out.stdout.split()[-1] + "\n" + out.stderr
 
 
-MADVISE = pytest.mark.skipif(_thp_mode() != "madvise", reason="needs transparent huge pages in madvise mode to tell")
+MADVISE = pytest.mark.skipif(allocator.thp_mode() != "madvise",
+                             reason="needs transparent huge pages in madvise mode to tell")
 
 
 @MADVISE
