@@ -39,7 +39,7 @@ from pagedserve.server.protocol import (
     error_body,
     now,
 )
-from pagedserve.server.serving import ENGINE_DEAD, APIError, ChatEndpoint, CompletionEndpoint, Serving, tenant
+from pagedserve.server.serving import APIError, ChatEndpoint, CompletionEndpoint, Serving, engine_dead, tenant
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class ServerState:
             raise APIError(503, "the model is still loading", "service_unavailable", code="engine_loading",
                            headers={"Retry-After": "5"})
         if not self.engine.alive:
-            raise APIError(503, ENGINE_DEAD, "service_unavailable", code="engine_dead")
+            raise engine_dead()
         return self.engine
 
 
@@ -139,7 +139,7 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
     (server/ray_app.py), called as start(built, config, on_outputs, loop)."""
     state = ServerState(config)
     serving = Serving(state.ready_engine, config.served_model_name, config.prefix_cache_per_key,
-                      config.disconnect_poll_s, state.metrics.reject)
+                      config.disconnect_poll_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -235,7 +235,7 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
         try:
             snap = await aeng.snapshot(STATE_TIMEOUT_S)
         except EngineDeadError as e:
-            raise APIError(503, ENGINE_DEAD, "service_unavailable", code="engine_dead") from e
+            raise engine_dead() from e
         except asyncio.TimeoutError as e:  # one step longer than this: a huge prefill chunk on a slow machine
             raise APIError(503, f"the engine did not finish its step within {STATE_TIMEOUT_S:g} s",
                            "service_unavailable", code="engine_busy", headers={"Retry-After": "1"}) from e

@@ -183,16 +183,14 @@ class Endpoint(ABC):
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else " ".join(map(str, token_ids))
 
 
+@dataclass
 class Serving:
     """The pipeline, over an AsyncEngine that `engine()` returns when ready (raising APIError otherwise)."""
 
-    def __init__(self, engine: Callable[[], AsyncEngine], model_name: str, prefix_cache_per_key: bool,
-                 disconnect_poll_s: float, on_reject: Callable[[str], None]) -> None:
-        self.engine = engine
-        self.model_name = model_name
-        self.prefix_cache_per_key = prefix_cache_per_key
-        self.disconnect_poll_s = disconnect_poll_s
-        self.on_reject = on_reject
+    engine: Callable[[], AsyncEngine]
+    model_name: str
+    prefix_cache_per_key: bool
+    disconnect_poll_s: float
 
     async def generate(self, endpoint_cls: type[Endpoint], body, raw: Request):
         """The response model, or an async iterator of chunks (JSON strings, then "[DONE]") to stream."""
@@ -360,20 +358,16 @@ class Serving:
             if include_usage:
                 yield endpoint.usage_chunk(usage(built, outs)).model_dump_json()
         except EngineDeadError as e:
-            yield _json(error_body(e.public_message or ENGINE_DEAD, "service_unavailable", code=e.code))
+            yield json.dumps(engine_dead(e).body())
         except InvalidRequestError as e:
-            yield _json(error_body(e.message, "invalid_request_error", e.param, e.code or "invalid_request"))
+            yield json.dumps(error_body(e.message, "invalid_request_error", e.param, e.code or "invalid_request"))
         except Exception:  # noqa: BLE001 - details go to the log only
             logger.exception("error while streaming")
-            yield _json(error_body("internal server error", "internal_server_error", code="internal_error"))
+            yield json.dumps(error_body("internal server error", "internal_server_error", code="internal_error"))
         finally:
             for s in streams:
                 s.close()
         yield "[DONE]"
-
-
-def _json(obj: dict) -> str:
-    return json.dumps(obj)
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
