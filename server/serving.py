@@ -133,7 +133,7 @@ class Endpoint(ABC):
     """What one route does differently; the pipeline in `Serving.generate` does the rest."""
 
     param: str  # the body field a prompt that is too long is blamed on
-
+    chunk_cls: type  # the model of its streamed chunks
     id_prefix = "req"
 
     def __init__(self, body, model_name: str) -> None:
@@ -157,9 +157,13 @@ class Endpoint(ABC):
     def stream(self, built: Built, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[Any]:
         """The streamed chunks (pydantic models), usage excepted."""
 
-    @abstractmethod
+    def envelope(self, cls: type, choices: list, usage: Usage | None = None):
+        """A response or chunk of model `cls`: the choices, with the id, created time and model every one carries."""
+        return cls(id=self.id, created=self.created, model=self.model_name, choices=choices, usage=usage)
+
     def usage_chunk(self, usage: Usage):
         """The last chunk, `choices: []` and the usage (stream_options.include_usage)."""
+        return self.envelope(self.chunk_cls, [], usage)
 
     def params(self, max_tokens: int | None, logprobs: int | None, index: int, salt: str | None, spec=None,
                prompt_logprobs: int | None = None) -> SamplingParams:
@@ -410,6 +414,7 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
 # ---- /v1/chat/completions -----------------------------------------------------------------------------------
 class ChatEndpoint(Endpoint):
     param = "messages"
+    chunk_cls = ChatCompletionChunk
     id_prefix = "chatcmpl"
 
     def build(self, engine, salt: str | None) -> Built:
@@ -446,12 +451,11 @@ class ChatEndpoint(Endpoint):
                     finish = "tool_calls" if finish == "stop" else finish
             lps = ChatLogprobs(content=self.logprobs(o.logprobs)) if self.body.logprobs else None
             choices.append(ChatChoice(index=i, message=message, logprobs=lps, finish_reason=finish))
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=choices,
-                                      usage=usage(built, outs))
+        return self.envelope(ChatCompletionResponse, choices, usage(built, outs))
 
     def chunk(self, i: int, delta: ChatDelta, finish: str | None = None, logprobs=None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model_name, choices=[
-            ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)])
+        return self.envelope(ChatCompletionChunk, [ChatChunkChoice(index=i, delta=delta, logprobs=logprobs,
+                                                                   finish_reason=finish)])
 
     async def stream(self, built: Built, outputs):
         for i in range(len(built.jobs)):
@@ -472,13 +476,11 @@ class ChatEndpoint(Endpoint):
                 yield self.chunk(i, ChatDelta(content=out.text) if out.text else ChatDelta(),
                                  out.finish_reason if out.finished else None, lp)
 
-    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model_name, choices=[], usage=usage)
-
 
 # ---- /v1/completions ----------------------------------------------------------------------------------------
 class CompletionEndpoint(Endpoint):
     param = "prompt"
+    chunk_cls = CompletionResponse
     id_prefix = "cmpl"
 
     def __init__(self, body: CompletionRequest, model_name: str) -> None:
@@ -534,12 +536,11 @@ class CompletionEndpoint(Endpoint):
                 lps = self.logprobs(self.with_prompt(built.jobs[i][0], o.prompt_logprobs, o.logprobs), start)
             choices.append(CompletionChoice(index=i, text=built.echo[i] + o.text, logprobs=lps,
                                             finish_reason=o.finish_reason))
-        return CompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=choices,
-                                  usage=usage(built, outs))
+        return self.envelope(CompletionResponse, choices, usage(built, outs))
 
     def chunk(self, i: int, text: str, finish: str | None = None, logprobs=None) -> CompletionResponse:
-        return CompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=[
-            CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish)])
+        return self.envelope(CompletionResponse, [CompletionChoice(index=i, text=text, logprobs=logprobs,
+                                                                   finish_reason=finish)])
 
     async def stream(self, built: Built, outputs):
         for i, text in enumerate(built.echo):
@@ -557,6 +558,3 @@ class CompletionEndpoint(Endpoint):
                     offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1])
             if out.text or lp or out.finished:
                 yield self.chunk(i, out.text, out.finish_reason if out.finished else None, lp)
-
-    def usage_chunk(self, usage: Usage) -> CompletionResponse:
-        return CompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=[], usage=usage)
