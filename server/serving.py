@@ -328,19 +328,15 @@ class Serving:
 
         task = asyncio.create_task(consume())
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=self.disconnect_poll_s)
-                if done:
-                    break
-                if await raw.is_disconnected():
-                    task.cancel()  # closing the streams aborts the requests; metrics count them as "abort"
+            while not task.done():
+                await asyncio.wait({task}, timeout=self.disconnect_poll_s)
+                if not task.done() and await raw.is_disconnected():
                     raise APIError(499, "client disconnected", "client_closed_request")
             task.result()
         except EngineDeadError as e:
             raise engine_dead(e) from e
         finally:
-            if not task.done():
-                task.cancel()
+            task.cancel()  # a no-op once done; closing the streams aborts the requests (metrics count "abort")
             for s in streams:
                 s.close()
         return outs
@@ -375,40 +371,37 @@ class Serving:
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several engine requests (n > 1, prompt lists) in arrival order, tagged with the choice index."""
-    try:
-        if len(streams) == 1:
-            async for out in streams[0]:
-                yield 0, out
-            return
-        queue: asyncio.Queue = asyncio.Queue()
+    """Outputs of several engine requests (n > 1, prompt lists) in arrival order, tagged with the choice index.
+    The caller closes the streams."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, stream: RequestStream) -> None:
-            try:
-                async for out in stream:
-                    queue.put_nowait((i, out))
-            except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
-                queue.put_nowait((i, e))
-            finally:
-                queue.put_nowait((i, None))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    async def pump(i: int, stream: RequestStream) -> None:
         try:
-            remaining = len(streams)
-            while remaining:
-                i, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield i, item
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
+            queue.put_nowait((i, e))
         finally:
-            for t in tasks:
-                t.cancel()
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
     finally:
-        for s in streams:
-            s.close()
+        for t in tasks:
+            t.cancel()
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------------------
