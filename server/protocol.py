@@ -50,6 +50,24 @@ def _has_surrogate(value: Any) -> bool:
     return False
 
 
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")  # like vLLM: unknown fields are ignored, not an error
 
@@ -69,6 +87,14 @@ class _Request(BaseModel):
     ignore_eos: bool = False  # extension, for benchmarks
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)  # as vLLM: a private prefix cache
+    # structured output (server/structured.py): OpenAI's response_format, vLLM's guided_* extensions
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)  # extension (vLLM)
 
     @model_validator(mode="before")
     @classmethod
@@ -85,14 +111,6 @@ class _Request(BaseModel):
                 raise PydanticCustomError("invalid_unicode", "{param}: the text contains a lone UTF-16 surrogate, "
                                           "which is not valid Unicode", {"param": name})
         return data
-    # structured output (server/structured.py): OpenAI's response_format, vLLM's guided_* extensions
-    response_format: ResponseFormat | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)  # extension (vLLM)
 
     @field_validator("stop")
     @classmethod
@@ -107,24 +125,6 @@ class _Request(BaseModel):
         if any(len(s) > MAX_STOP_STRING_CHARS for s in v):
             raise ValueError(f"stop sequences may be at most {MAX_STOP_STRING_CHARS} characters long")
         return v
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
-
-    name: str = "response"
-    description: str | None = None
-    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
 
 
 class FunctionDefinition(BaseModel):
@@ -180,18 +180,9 @@ class CompletionRequest(_Request):
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            return [[]]
-        if isinstance(p[0], int):
+        if isinstance(p, str) or isinstance(p[0], int):
             return [p]
         return list(p)
-
-
-_Request.model_rebuild()
-ChatCompletionRequest.model_rebuild()
-CompletionRequest.model_rebuild()
 
 
 # ---- responses ------------------------------------------------------------------------------------------------
