@@ -49,7 +49,7 @@ def resolve_tool_choice(tools: list[dict] | None, tool_choice: Any) -> ToolChoic
         if tool_choice != "none" and not tools:
             raise InvalidRequestError(f"tool_choice {tool_choice!r} needs `tools`", "tool_choice")
         return ToolChoice(tool_choice)
-    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+    name = (tool_choice.get("function") or {}).get("name")
     if tool_choice.get("type") != "function" or not isinstance(name, str):
         raise InvalidRequestError("a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}",
                                   "tool_choice")
@@ -120,16 +120,12 @@ def tool_grammar(tools: list[dict], choice: ToolChoice, parallel: bool) -> Struc
     return StructuredSpec("lark", lark)
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 @dataclass
 class _Call:
-    id: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
     index: int = -1  # assigned when announced
     text: str = ""  # the call body so far (between the tags)
     name: str | None = None
@@ -160,43 +156,44 @@ class ToolCallParser:
         out: list[dict] = []
         while True:
             if self.in_call is None:
-                i = self.buf.find(OPEN)
-                if i < 0:
-                    keep = _partial_suffix(self.buf, OPEN)
-                    self._content(self.buf[:len(self.buf) - keep], out)
-                    self.buf = self.buf[len(self.buf) - keep:]
+                before, found = self._take_until(OPEN)
+                self._content(before, out)
+                if not found:
                     return out
-                self._content(self.buf[:i], out)
-                self.buf = self.buf[i + len(OPEN):]
-                self.in_call = _Call(new_call_id())
-                continue
-            call = self.in_call
-            j = self.buf.find(CLOSE)
-            if j < 0:
-                keep = _partial_suffix(self.buf, CLOSE)
-                call.text += self.buf[:len(self.buf) - keep]
-                self.buf = self.buf[len(self.buf) - keep:]
+                self.in_call = _Call()
+            else:
+                call = self.in_call
+                before, found = self._take_until(CLOSE)
+                call.text += before
                 self._progress(call, out)
-                return out
-            call.text += self.buf[:j]
-            self.buf = self.buf[j + len(CLOSE):]
-            self._progress(call, out)
-            self._close(call, out)
+                if not found:
+                    return out
+                self._close(call, out)
 
     def finish(self) -> list[dict]:
         """End of output: flush held-back text; a call cut short still counts if its JSON is complete."""
         out: list[dict] = []
+        text, self.buf = self.buf, ""
         if self.in_call is not None:
-            self.in_call.text += self.buf
-            self.buf = ""
+            self.in_call.text += text
             self._progress(self.in_call, out)
             self._close(self.in_call, out, closed=False)
-        elif self.buf:
-            self._content(self.buf, out)
-            self.buf = ""
+        else:
+            self._content(text, out)
         return out
 
     # ---- internals --------------------------------------------------------------------------------
+    def _take_until(self, tag: str) -> tuple[str, bool]:
+        """The buffered text before `tag`, and whether the tag was there (it is consumed too). Without it, a tail
+        that may be the tag's start stays buffered: it may grow into the tag."""
+        i = self.buf.find(tag)
+        if i < 0:
+            i = len(self.buf) - _partial_suffix(self.buf, tag)
+            text, self.buf = self.buf[:i], self.buf[i:]
+            return text, False
+        text, self.buf = self.buf[:i], self.buf[i + len(tag):]
+        return text, True
+
     def _content(self, text: str, out: list[dict]) -> None:
         if text:
             self.content += text
@@ -307,5 +304,6 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     p = ToolCallParser()
     p.feed(text)
     p.finish()
-    content = p.content.strip() if p.calls else p.content
-    return (content or None) if p.calls else content, p.calls
+    if not p.calls:
+        return p.content, []
+    return p.content.strip() or None, p.calls
