@@ -47,27 +47,21 @@ class ApiKeyAuth:
         self.app = app
         self.keys = [(k.encode(), key_id(k)) for k in keys]
 
-    def _match(self, token: bytes) -> str | None:
-        found = None
-        for key, kid in self.keys:
-            if hmac.compare_digest(token, key) and found is None:
-                found = kid
-        return found
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] != "http" or not self.keys or not path.startswith(PROTECTED):
             return await self.app(scope, receive, send)
         auth = dict(scope.get("headers") or []).get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
-        kid = self._match(token.strip()) if scheme.lower() == b"bearer" else None
-        if kid is None:
+        # every key is compared, whatever matches: constant time
+        matches = [kid for key, kid in self.keys if hmac.compare_digest(token.strip(), key)]
+        if scheme.lower() != b"bearer" or not matches:
             message = ("Incorrect API key provided." if auth else
                        "You didn't provide an API key. You need to provide your API key in an Authorization "
                        "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
             return await send_error(send, 401, message, "invalid_request_error", "invalid_api_key",
                                     [(b"www-authenticate", b'Bearer realm="pagedserve"')])
-        scope.setdefault("state", {})[TENANT_KEY] = kid
+        scope.setdefault("state", {})[TENANT_KEY] = matches[0]
         await self.app(scope, receive, send)
 
 
@@ -109,23 +103,16 @@ class BodyLimit:
         try:
             first = await asyncio.wait_for(read_all(), self.timeout_s)
         except asyncio.TimeoutError:
-            if size > self.max_bytes:
-                return await self._too_large(send)
-            return await send_error(send, 408, f"the request body was not received within {self.timeout_s:g} s",
-                                    "invalid_request_error", "request_timeout", [(b"connection", b"close")])
+            if size <= self.max_bytes:
+                return await send_error(send, 408, f"the request body was not received within {self.timeout_s:g} s",
+                                        "invalid_request_error", "request_timeout", [(b"connection", b"close")])
+            first = None
         if first is None:
-            return await self._too_large(send)
-        replayed = False
+            return await send_error(send, 413, f"the request body is larger than {self.max_bytes} bytes",
+                                    "invalid_request_error", "request_too_large", [(b"connection", b"close")])
+        unread = [first]
 
         async def replay() -> dict[str, Any]:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return first
-            return await receive()
+            return unread.pop() if unread else await receive()
 
         await self.app(scope, replay, send)
-
-    async def _too_large(self, send: Send) -> None:
-        await send_error(send, 413, f"the request body is larger than {self.max_bytes} bytes",
-                         "invalid_request_error", "request_too_large", [(b"connection", b"close")])
