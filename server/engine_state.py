@@ -71,7 +71,7 @@ class Percentiles(BaseModel):
         return cls(count=len(values), p50=q[49] * scale, p90=q[89] * scale, p99=q[98] * scale)
 
 
-class StepState(BaseModel):
+class StepState(BaseModel):  # the engine's StepRecord, field for field
     index: int = Field(description="steps run so far")
     ms: float = Field(description="the last step's forward pass and sampling")
     budget_tokens: int = Field(description="the step's token budget (max_num_batched_tokens)")
@@ -159,10 +159,7 @@ def engine_state(snap: EngineSnapshot, model: str, tenant: str | None, owner: Ca
         constrained=sum(1 for s in snap.sequences if s.constrained), rejected_429=rejected_429,
         tokens_per_s=live.tokens_per_s(now), ttft_ms=Percentiles.of(live.recent(live.ttft, now)),
         tpot_ms=Percentiles.of(live.recent(live.tpot, now)),
-        step=None if snap.step is None else StepState(
-            index=snap.step.index, ms=snap.step.ms, budget_tokens=snap.step.budget_tokens,
-            prefill_tokens=snap.step.prefill_tokens, decode_tokens=snap.step.decode_tokens,
-            num_seqs=snap.step.num_seqs, num_admitted=snap.step.num_admitted, num_preempted=snap.step.num_preempted),
+        step=None if snap.step is None else StepState.model_validate(snap.step, from_attributes=True),
         kv=KVState(num_blocks=snap.num_blocks, block_size=snap.block_size, used=used, shared=shared,
                    cached=snap.count(CACHED), free=snap.count(FREE), usage=(used + shared) / snap.num_blocks,
                    pool=snap.pool),
