@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter as Tally
 from collections.abc import Callable, Mapping
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -81,14 +82,11 @@ class Metrics:
                                        m + ["finished_reason"], registry=r)
         self.rejected = Counter("pagedserve:rejected_requests", "Requests refused before running, by reason.",
                                 m + ["reason"], registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", m,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive tokens.", m,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", m,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", m,
-                                    buckets=_LATENCY_BUCKETS, registry=r)
+        latency = partial(Histogram, labelnames=m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = latency("vllm:time_to_first_token_seconds", "Time to first token.")
+        self.itl = latency("vllm:inter_token_latency_seconds", "Time between consecutive tokens.")
+        self.e2e = latency("vllm:e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue_time = latency("vllm:request_queue_time_seconds", "Arrival to first scheduled.")
         r.register(_EngineCollector(snapshot, model_name))
         self.rejections: Tally[str] = Tally()  # the same counts, readable without a scrape (the live view)
         self._last_token: dict[str, float] = {}
