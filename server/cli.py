@@ -55,9 +55,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from pagedserve.engine.async_engine import AdmissionLimits
     from pagedserve.engine.llm_engine import LLMEngine
-    from pagedserve.engine.models.loader import load_config
-    from pagedserve.engine.models.resolver import resolve_model
-    from pagedserve.engine.parallel.group import check_tensor_parallel
     from pagedserve.server.app import create_app, uvicorn_config
     from pagedserve.server.config import ReplicaConfig, ServerConfig
     from pagedserve.server.connections import is_loopback
@@ -73,11 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         _fail(f"refusing to serve on {server.host} without an API key: anyone who can reach it could use the model "
               "and read the metrics. Set --api-key (or PAGEDSERVE_API_KEY), or pass --allow-insecure-no-auth if the "
               "network is trusted")
-    try:  # before the port is bound: a model that cannot load ends the process here, with one line
-        files = resolve_model(config.model, config.revision, config.gguf_file)
-        check_tensor_parallel(load_config(files.path), config.tensor_parallel_size)
-    except (ValueError, FileNotFoundError) as e:
-        _fail(str(e))
+    files = _resolve_model(config)  # before the port is bound
     config = dataclasses.replace(config, model=files.path)
     if server.served_model_name is None:
         server = dataclasses.replace(server, served_model_name=files.name)
@@ -97,18 +90,26 @@ def cmd_serve(args: argparse.Namespace) -> None:
         _fail(f"the model failed to load: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
 
-def _serve_node(config) -> None:
-    """Another node of a multi-node tensor-parallel group: its worker ranks only, no HTTP server."""
+def _resolve_model(config):
+    """The model's files, checked to split over the tensor-parallel ranks: a model that cannot load ends the
+    process here, with one line."""
     from pagedserve.engine.models.loader import load_config
     from pagedserve.engine.models.resolver import resolve_model
     from pagedserve.engine.parallel.group import check_tensor_parallel
-    from pagedserve.engine.parallel.workers import run_node
 
     try:
-        check_tensor_parallel(load_config(resolve_model(config.model, config.revision, config.gguf_file).path),
-                              config.tensor_parallel_size)
+        files = resolve_model(config.model, config.revision, config.gguf_file)
+        check_tensor_parallel(load_config(files.path), config.tensor_parallel_size)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
+    return files
+
+
+def _serve_node(config) -> None:
+    """Another node of a multi-node tensor-parallel group: its worker ranks only, no HTTP server."""
+    from pagedserve.engine.parallel.workers import run_node
+
+    _resolve_model(config)
     print(f"pagedserve: node {config.node_rank} of {config.nnodes}: tensor-parallel worker ranks for "
           f"{config.dist_init_addr} (no server on this node)", flush=True)
     sys.exit(run_node(config))
