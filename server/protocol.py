@@ -216,14 +216,7 @@ class Usage(_Response):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
-    completion_tokens_details: CompletionTokensDetails | None = None  # speculative decoding's drafts
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, drafted: int = 0, accepted: int = 0) -> Usage:
-        details = CompletionTokensDetails(accepted_prediction_tokens=accepted,
-                                          rejected_prediction_tokens=drafted - accepted) if drafted else None
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens, completion_tokens_details=details)
+    completion_tokens_details: CompletionTokensDetails | None = None  # speculative decoding's drafts, if any
 
 
 class ToolCallFunction(_Response):

@@ -38,6 +38,7 @@ from pagedserve.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionTokensDetails,
     PromptTokensDetails,
     TokenLogprobEntry,
     TopLogprob,
@@ -122,11 +123,14 @@ class Collected:
 
 
 def usage(built: Built, outs: list[Collected]) -> Usage:
-    u = Usage.of(built.prompt_tokens, sum(len(o.tokens) for o in outs), sum(o.drafts[0] for o in outs),
-                 sum(o.drafts[1] for o in outs))
+    completion = sum(len(o.tokens) for o in outs)
+    drafted, accepted = sum(o.drafts[0] for o in outs), sum(o.drafts[1] for o in outs)
     per_prompt = len(outs) // max(built.prompt_groups, 1)  # the first choice of each prompt: what its prompt hit
-    u.prompt_tokens_details = PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outs[::per_prompt]))
-    return u
+    return Usage(
+        prompt_tokens=built.prompt_tokens, completion_tokens=completion, total_tokens=built.prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outs[::per_prompt])),
+        completion_tokens_details=CompletionTokensDetails(
+            accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted) if drafted else None)
 
 
 class Endpoint(ABC):
@@ -476,32 +480,30 @@ class CompletionEndpoint(Endpoint):
     chunk_cls = CompletionResponse
     id_prefix = "cmpl"
 
-    def __init__(self, body: CompletionRequest, model_name: str) -> None:
-        super().__init__(body, model_name)
-        self.prompts = body.prompts()
+    body: CompletionRequest
 
     def count(self) -> int:
-        return len(self.prompts) * self.body.n
+        return len(self.body.prompts()) * self.body.n
 
     def build(self, engine, salt: str | None) -> Built:
-        b = self.body
+        b, prompts = self.body, self.body.prompts()
         spec = structured_spec(b)
         # echo + logprobs scores the prompt too (lm-evaluation-harness's loglikelihood), as vLLM does
         score_prompt = b.logprobs if b.echo and b.logprobs is not None else None
-        for p in self.prompts:  # refuse what cannot fit before tokenizing anything
+        for p in prompts:  # refuse what cannot fit before tokenizing anything
             if isinstance(p, str):
                 engine.check_prompt_chars(len(p), "prompt")
         jobs, total = [], 0
         max_tokens = 16 if b.max_tokens is None else b.max_tokens
-        for p in self.prompts:
+        for p in prompts:
             ids = engine.tokenize(p) if isinstance(p, str) else p
             total += len(ids)
             jobs += [(ids, self.params(max_tokens, b.logprobs, i, salt, spec, prompt_logprobs=score_prompt))
                      for i in range(b.n)]
         for ids, params in jobs[::b.n]:  # token ids in range before they are decoded for the echo
             engine.validate(ids, params)
-        echo = [(p if isinstance(p, str) else self.text(p)) if b.echo else "" for p in self.prompts for _ in range(b.n)]
-        return Built(jobs, total, prompt_groups=len(self.prompts), echo=echo)
+        echo = [(p if isinstance(p, str) else self.text(p)) if b.echo else "" for p in prompts for _ in range(b.n)]
+        return Built(jobs, total, prompt_groups=len(prompts), echo=echo)
 
     def logprobs(self, lps: list[TokenLogprob], start: int = 0) -> CompletionLogprobs:
         tokens = [self.piece(x.token_id) for x in lps]
