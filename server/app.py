@@ -180,8 +180,7 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
+        first = next(iter(exc.errors()), {})
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         ctx = first.get("ctx") or {}
         if first.get("type") == "json_invalid":
