@@ -9,15 +9,10 @@ import asyncio
 import hashlib
 import hmac
 import json
-from collections.abc import Awaitable, Callable
-from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedserve.server.protocol import error_body
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 TENANT_KEY = "pagedserve.tenant"  # scope["state"][TENANT_KEY]: an id of the API key that authenticated
 PROTECTED = ("/v1/", "/metrics", "/docs", "/openapi.json")  # everything but /health needs a key, when keys are set
@@ -84,7 +79,7 @@ class BodyLimit:
         chunks: list[bytes] = []
         size = 0
 
-        async def read_all() -> dict[str, Any] | None:
+        async def read_all() -> Message | None:
             """The whole body as one message; None if too large (read to its end and dropped, so the client
             gets the 413 instead of a reset connection); a disconnect message if the client left."""
             nonlocal size
@@ -112,7 +107,7 @@ class BodyLimit:
                                     "invalid_request_error", "request_too_large", [(b"connection", b"close")])
         unread = [first]
 
-        async def replay() -> dict[str, Any]:
+        async def replay() -> Message:
             return unread.pop() if unread else await receive()
 
         await self.app(scope, replay, send)
