@@ -235,8 +235,7 @@ class ToolCallParser:
                     break
             elif call.depth == 0 and not ch.isspace():
                 return  # a non-object value: sent whole when the call closes
-        call.scanned = end if end is not None else len(text)
-        upto = end if end is not None else len(text)
+        upto = call.scanned = len(text) if end is None else end
         if call.depth > 0 or end is not None:
             self._args(call, text[call.args_start + call.args_sent:upto], out)
         call.args_done = end is not None
@@ -270,8 +269,7 @@ class ToolCallParser:
             out.append(self._header(call))
         raw = _raw_value(call.text, args_key)
         args = raw if raw is not None else json.dumps(obj[args_key])
-        sent = args[:call.args_sent] if call.args_sent else ""
-        self._args(call, args[len(sent):], out)
+        self._args(call, args[call.args_sent:], out)  # what the stream has not sent yet
         self.calls.append(self._record(call, args))
 
     @staticmethod
