@@ -97,7 +97,6 @@ class ServerState:
     """What the routes need; `engine` is set once the model has loaded (`app.state.pagedserve`)."""
 
     def __init__(self, config: ServerConfig) -> None:
-        self.config = config
         self.engine: AsyncEngine | None = None
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[], None] | None = None  # `pagedserve serve` stops the server
