@@ -16,6 +16,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 from fastapi import Request
@@ -507,10 +508,7 @@ class CompletionEndpoint(Endpoint):
 
     def logprobs(self, lps: list[TokenLogprob], start: int = 0) -> CompletionLogprobs:
         tokens = [self.piece(x.token_id) for x in lps]
-        offsets, pos = [], start
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
+        offsets = list(accumulate(map(len, tokens), initial=start))[:-1]  # where each token starts
         return CompletionLogprobs(
             tokens=tokens, token_logprobs=[x.logprob for x in lps], text_offset=offsets,
             top_logprobs=[None if x.top is None else {self.piece(t): v for t, v in x.top} for x in lps])
