@@ -154,12 +154,9 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
+        if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in self.content):
+            raise ValueError("only text content parts are supported")
+        return "".join(part["text"] for part in self.content)
 
 
 class ChatCompletionRequest(_Request):
