@@ -10,6 +10,7 @@ lets the model choose and the parser finds what it wrote.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
@@ -93,10 +94,8 @@ def render_messages(messages: list[dict[str, Any]], tools: list[dict] | None, ch
 def _call_json(call: dict) -> dict:
     fn = call.get("function") or {}
     args = fn.get("arguments") or "{}"
-    try:
+    with contextlib.suppress(json.JSONDecodeError):  # not JSON: the string stays, the model sees what was sent
         args = json.loads(args) if isinstance(args, str) else args
-    except json.JSONDecodeError:
-        pass  # keep the string: the model sees what the client sent
     return {"name": fn.get("name"), "arguments": args}
 
 
