@@ -82,6 +82,12 @@ def overloaded(e: OverloadedError) -> APIError:
                     reason=e.reason)
 
 
+def invalid(e: InvalidRequestError, prompt_param: str) -> APIError:
+    """A refused request's 400; a prompt too long for the context is blamed on the route's prompt field."""
+    return APIError(400, e.message, param=prompt_param if e.code == "context_length_exceeded" else e.param,
+                    code=e.code)
+
+
 def engine_dead(e: EngineDeadError | None = None) -> APIError:
     if e is None:
         return APIError(503, ENGINE_DEAD, "service_unavailable", code="engine_dead")
@@ -256,7 +262,7 @@ class Serving:
             for _ in range(endpoint.count()):
                 aeng.release()
             if isinstance(e, InvalidRequestError):
-                raise APIError(400, e.message, param=e.param, code=e.code) from e
+                raise invalid(e, endpoint.param) from e
             if isinstance(e, ValueError):
                 raise APIError(400, str(e), param=endpoint.param) from e
             raise
@@ -282,8 +288,7 @@ class Serving:
             if isinstance(e, OverloadedError):
                 raise overloaded(e) from e
             if isinstance(e, InvalidRequestError):
-                raise APIError(400, e.message, param=e.param if e.code != "context_length_exceeded" else param,
-                               code=e.code) from e
+                raise invalid(e, param) from e
             raise
         return streams
 

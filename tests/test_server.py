@@ -188,6 +188,10 @@ def test_bad_completion_prompt_and_engine_still_serves(server, client):
     base, state = server
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "", "max_tokens": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    # too long in tokens, short enough in characters: the completions route blames its own field
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "word " * 5000, "max_tokens": 10})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == "prompt"
     r = httpx.post(f"{base}/v1/completions", json={"prompt": [1, 2, 999999999], "max_tokens": 3})
     assert r.status_code == 400
     ok = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
