@@ -204,8 +204,7 @@ class ModelRunner:
             hidden = self.graph_runner.run(host.input_ids, host.positions, host.slot_mapping, host.seq_lens,
                                            host.block_tables)
         else:
-            hidden = self._forward(host.input_ids.to(self.device), host.positions.to(self.device),
-                                   self._backend_metadata(host.metadata(self.device, query_lens, seq_lens)))
+            hidden = self._forward(host, query_lens, seq_lens)
 
         # logits only at each sampling sequence's last scheduled token
         ends = host.query_start_loc[1:].tolist()  # one conversion, not a tensor index per sequence
@@ -219,12 +218,21 @@ class ModelRunner:
         num_drafts = [len(step.seqs[i].spec_token_ids) for _, i in sampling]
         rows = [r for (row, _), k in zip(sampling, num_drafts) for r in range(row - k, row + 1)]
         logits = self._logits(hidden, rows)
-        if any(num_drafts):
-            return (*self._verify(step, sampling, num_drafts, logits), prompt_lps)
-        tokens, lps = self.sampler(logits, [step.sample_requests[i] for _, i in sampling])
-        for (_, i), tok, lp in zip(sampling, tokens, lps):
-            sampled[i] = tok
-            logprobs[i] = lp
+        # sample the plain sequences; verify the speculating ones' drafts (accepted + one token each)
+        logit_ends = list(itertools.accumulate(k + 1 for k in num_drafts))
+        plain = [j for j, k in enumerate(num_drafts) if not k]
+        if plain:
+            plain_logits = logits if len(plain) == len(sampling) else logits[[logit_ends[j] - 1 for j in plain]]
+            tokens, lps = self.sampler(plain_logits, [step.sample_requests[sampling[j][1]] for j in plain])
+            for j, tok, lp in zip(plain, tokens, lps):
+                sampled[sampling[j][1]], logprobs[sampling[j][1]] = tok, lp
+        spec = [j for j, k in enumerate(num_drafts) if k]
+        if spec:
+            rows = [r for j in spec for r in range(logit_ends[j] - num_drafts[j] - 1, logit_ends[j])]
+            verified = verify_batch(logits[rows], [step.seqs[sampling[j][1]].spec_token_ids for j in spec],
+                                    [step.sample_requests[sampling[j][1]] for j in spec], self.sampler.generator)
+            for j, tokens in zip(spec, verified):
+                sampled[sampling[j][1]] = tokens
         return sampled, logprobs, prompt_lps
 
     def _logits(self, hidden: torch.Tensor, rows: list[int] | slice) -> torch.Tensor:
@@ -245,11 +253,12 @@ class ModelRunner:
                 return
             m = message
             host = HostBatch.build(m.input_ids, m.positions, m.query_lens, m.seq_lens, m.tables, self.block_size)
-            self._hidden = self._forward(host.input_ids.to(self.device), host.positions.to(self.device),
-                                         self._backend_metadata(host.metadata(self.device, m.query_lens,
-                                                                              m.seq_lens)))
+            self._hidden = self._forward(host, m.query_lens, m.seq_lens)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, host: HostBatch, query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
+        """The eager forward of a batch, its host tensors copied to the device."""
+        input_ids, positions = host.input_ids.to(self.device), host.positions.to(self.device)
+        meta = self._attention_metadata(host, query_lens, seq_lens)
         if self.fused is not None:
             hidden = self.fused(input_ids, positions, self.kv_caches, meta, self.backend)
             if hidden is not None:
@@ -271,34 +280,15 @@ class ModelRunner:
                                              seq.params.prompt_logprobs))
         return out
 
-    def _verify(self, step: StepInput, sampling: list[tuple[int, int]], num_drafts: list[int],
-                logits: torch.Tensor) -> tuple[list[int | list[int] | None], list[TokenLogprob | None]]:
-        """Sample the plain sequences; verify the speculating ones' drafts (accepted + one token each)."""
-        sampled: list[int | list[int] | None] = [None] * len(step.seqs)
-        logprobs: list[TokenLogprob | None] = [None] * len(step.seqs)
-        ends = list(itertools.accumulate(k + 1 for k in num_drafts))
-        plain = [j for j, k in enumerate(num_drafts) if not k]
-        if plain:
-            tokens, lps = self.sampler(logits[[ends[j] - 1 for j in plain]],
-                                       [step.sample_requests[sampling[j][1]] for j in plain])
-            for j, tok, lp in zip(plain, tokens, lps):
-                sampled[sampling[j][1]], logprobs[sampling[j][1]] = tok, lp
-        spec = [j for j, k in enumerate(num_drafts) if k]
-        rows = [r for j in spec for r in range(ends[j] - num_drafts[j] - 1, ends[j])]
-        verified = verify_batch(logits[rows], [step.seqs[sampling[j][1]].spec_token_ids for j in spec],
-                                [step.sample_requests[sampling[j][1]] for j in spec], self.sampler.generator)
-        for j, tokens in zip(spec, verified):
-            sampled[sampling[j][1]] = tokens
-        return sampled, logprobs
-
-    def _backend_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
-        return self.backend.build_metadata(meta, self.num_kv_heads, self.dtype)
+    def _attention_metadata(self, host: HostBatch, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+        return self.backend.build_metadata(host.metadata(self.device, query_lens, seq_lens), self.num_kv_heads,
+                                           self.dtype)
 
     def _metadata(self, positions: list[int], query_lens: list[int], seq_lens: list[int],
                   tables: list[list[int]]) -> AttentionMetadata:
         """Metadata for a batch given as lists (the profile run, tests and tools; `run` builds its own)."""
         host = HostBatch.build([0] * len(positions), positions, query_lens, seq_lens, tables, self.block_size)
-        return self._backend_metadata(host.metadata(self.device, query_lens, seq_lens))
+        return self._attention_metadata(host, query_lens, seq_lens)
 
 
 @dataclass(slots=True)

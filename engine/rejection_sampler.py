@@ -11,6 +11,8 @@ temperature, top-k, top-p.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from pagedserve.engine.sampler import SampleRequest, top_k_top_p
@@ -49,11 +51,7 @@ def verify(logits: torch.Tensor, draft: list[int], req: SampleRequest, generator
     assert logits.shape[0] == k + 1
     logits = target_logits(logits.float(), draft, req)
     if req.params.greedy:
-        target = logits.max(dim=-1).indices.tolist()
-        n = 0
-        while n < k and draft[n] == target[n]:
-            n += 1
-        return draft[:n] + [target[n]]
+        return _accept_greedy(draft, logits.max(dim=-1).indices.tolist())
     probs = target_probs(logits, req)
     gen = req.generator or generator
     u = torch.rand(k, generator=gen, device=gen.device).tolist()
@@ -80,26 +78,26 @@ def verify_batch(logits: torch.Tensor, drafts: list[list[int]], reqs: list[Sampl
 
     Plain greedy requests share one argmax (one host sync); the rest go one by one.
     """
-    starts, pos = [], 0
-    for d in drafts:
-        starts.append(pos)
-        pos += len(d) + 1
-    assert pos == logits.shape[0]
+    bounds = [0, *itertools.accumulate(len(d) + 1 for d in drafts)]
+    assert bounds[-1] == logits.shape[0]
     plain = [j for j, r in enumerate(reqs) if r.params.greedy and not r.params.needs_penalties]
     out: list[list[int]] = [[] for _ in drafts]
     if plain:
-        rows = torch.tensor([starts[j] + i for j in plain for i in range(len(drafts[j]) + 1)], device=logits.device)
+        rows = torch.tensor([r for j in plain for r in range(bounds[j], bounds[j + 1])], device=logits.device)
         target = logits[rows].max(dim=-1).indices.tolist()
         at = 0
         for j in plain:
-            d = drafts[j]
-            t = target[at:at + len(d) + 1]
-            n = 0
-            while n < len(d) and d[n] == t[n]:
-                n += 1
-            out[j] = d[:n] + [t[n]]
-            at += len(d) + 1
+            out[j] = _accept_greedy(drafts[j], target[at:at + len(drafts[j]) + 1])
+            at += len(drafts[j]) + 1
     for j, req in enumerate(reqs):
         if not out[j]:
-            out[j] = verify(logits[starts[j]:starts[j] + len(drafts[j]) + 1], drafts[j], req, generator)
+            out[j] = verify(logits[bounds[j]:bounds[j + 1]], drafts[j], req, generator)
     return out
+
+
+def _accept_greedy(draft: list[int], target: list[int]) -> list[int]:
+    """The drafts while they equal the target's argmax, then the target's own token."""
+    n = 0
+    while n < len(draft) and draft[n] == target[n]:
+        n += 1
+    return draft[:n] + [target[n]]
