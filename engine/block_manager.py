@@ -77,9 +77,10 @@ class BlockManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, num_cached: int = 0) -> int:
+        """New blocks for `num_new_tokens` more tokens after a prefix-cache hit of `num_cached` blocks."""
+        total = seq.num_computed_tokens + num_cached * self.block_size + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table) - num_cached)
 
     # ---- prefix cache --------------------------------------------------------------------------
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
@@ -123,9 +124,7 @@ class BlockManager:
         """Whether `allocate(seq, num_new_tokens, cached)` would succeed."""
         # Cached hits that are currently unreferenced sit in the free queue: taking them shrinks it.
         reclaimed = sum(1 for b in cached if self.blocks[b].ref_count == 0)
-        needed = -(-(seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens)
-                   // self.block_size) - len(seq.block_table) - len(cached)
-        return max(0, needed) <= len(self._free_queue) - reclaimed
+        return self.blocks_needed(seq, num_new_tokens, len(cached)) <= len(self._free_queue) - reclaimed
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> None:
         """Grow `seq`'s block table to hold `num_new_tokens` more tokens (after any `cached` prefix).
@@ -181,17 +180,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references, tail first so shared heads stay cached longest (LRU)."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"double free of block {block_id}")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is None:
-                    # Nothing to reuse: put it at the head so it is taken before cached blocks.
-                    self._free_queue[block_id] = None
-                    self._free_queue.move_to_end(block_id, last=False)
-                else:
-                    self._free_queue[block_id] = None
+            self._unref(block_id)
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
@@ -206,9 +195,16 @@ class BlockManager:
             block_id = seq.block_table.pop()
             block = self.blocks[block_id]
             assert block.hash is None and len(seq.block_hashes) <= keep, "a published block past the tail"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free_queue[block_id] = None
+            self._unref(block_id)
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"double free of block {block_id}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free_queue[block_id] = None
+            if block.hash is None:  # nothing to reuse: at the head, so it is taken before cached blocks
                 self._free_queue.move_to_end(block_id, last=False)
 
     # ---- integrity -----------------------------------------------------------------------------
