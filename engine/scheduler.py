@@ -140,7 +140,8 @@ class Scheduler:
             budget -= n
             i += 1
 
-        if out.num_preempted == 0 and self._may_admit():
+        # static batching: a new batch forms only when the previous one has fully drained
+        if out.num_preempted == 0 and (self.config.policy == "continuous" or not self.running):
             while self.waiting and len(self.running) < self.config.max_num_seqs:
                 if (budget <= 0 or prefill_budget <= 0) and self.config.policy == "continuous":
                     break
@@ -183,10 +184,6 @@ class Scheduler:
             target = self.cost_model.default_target_ms(len(batch), sum(s.num_tokens for s in batch))
         fit = self.cost_model.prefill_tokens_within(target, len(decodes), sum(decodes))
         return unlimited if fit is None else max(fit, MIN_PREFILL_TOKENS)
-
-    def _may_admit(self) -> bool:
-        # static batching: a new batch forms only when the previous one has fully drained
-        return self.config.policy == "continuous" or not self.running
 
     def _emit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         out.seqs.append(seq)
