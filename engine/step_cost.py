@@ -98,12 +98,15 @@ class StepCostModel:
     def ms_per_prefill_token(self) -> float | None:
         return None if self.coef is None else float(self.coef[1])
 
-    def predict(self, shape: StepShape) -> float | None:
-        return None if self.coef is None else float(np.dot(self.coef, shape.row()))
+    def decode_ms(self, decode_seqs: int, context_tokens: int) -> float | None:
+        """Predicted time of a step of these decodes alone (None: not fitted)."""
+        if self.coef is None:
+            return None
+        return float(np.dot(self.coef, StepShape(0, decode_seqs, context_tokens).row()))
 
     def default_target_ms(self, decode_seqs: int, context_tokens: int) -> float | None:
         """The step-time target when none is set: DEFAULT_TARGET_FACTOR x a decode step of this batch."""
-        base = self.predict(StepShape(0, decode_seqs, context_tokens))
+        base = self.decode_ms(decode_seqs, context_tokens)
         return None if base is None else DEFAULT_TARGET_FACTOR * base
 
     def prefill_tokens_within(self, target_ms: float | None, decode_seqs: int, context_tokens: int) -> int | None:
@@ -111,12 +114,11 @@ class StepCostModel:
         known)."""
         if self.coef is None or target_ms is None:
             return None
-        base = self.predict(StepShape(0, decode_seqs, context_tokens))
-        return max(0, int((target_ms - base) / self.coef[1]))
+        return max(0, int((target_ms - self.decode_ms(decode_seqs, context_tokens)) / self.coef[1]))
 
     def extra_token_cost(self, decode_seqs: int, context_tokens: int) -> float | None:
         """One more token in a step of these decodes, as a fraction of that step's time (None: not fitted)."""
-        base = self.predict(StepShape(0, decode_seqs, context_tokens))
+        base = self.decode_ms(decode_seqs, context_tokens)
         if base is None or base <= 0:
             return None
         return float(self.coef[1]) / base

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.engine.sequence import Sequence
 from pagedserve.engine.spec_decode.proposer import Proposer
-from pagedserve.engine.step_cost import StepCostModel, StepShape
+from pagedserve.engine.step_cost import StepCostModel
 
 ALPHA_PRIOR = 0.5  # before anything is measured
 PRIOR_WEIGHT = 2.0  # pseudo-trials of the engine-wide rate in a request's estimate
@@ -110,7 +110,7 @@ class Speculator:
         seconds = time.perf_counter() - t0
         for seq, d in zip(seqs, drafts):
             seq.spec_token_ids = list(d)
-        step_ms = self.cost.predict(StepShape(0, *self._last_batch))
+        step_ms = self.cost.decode_ms(*self._last_batch)
         if step_ms:
             c = seconds * 1e3 / max(gammas) / step_ms
             self.draft_cost = 0.9 * self.draft_cost + 0.1 * c if self.stats.num_drafts else c
