@@ -70,9 +70,9 @@ def grammar_of(spec: StructuredSpec) -> str:
             return llguidance.LLMatcher.grammar_from_lark(str(spec.value))
         if spec.kind == "grammar":
             return llguidance.grammar_from("grammar", str(spec.value))  # Lark, or GBNF converted to Lark
+    except InvalidRequestError:
+        raise
     except (ValueError, TypeError) as e:
-        if isinstance(e, InvalidRequestError):
-            raise
         raise InvalidRequestError(f"invalid {spec.kind}: {e}", "response_format") from e
     raise InvalidRequestError(f"unknown structured output kind {spec.kind!r}", "response_format")
 
@@ -156,17 +156,13 @@ class _StepMasks:
             self._blocked = torch.from_numpy(bits[:, :vocab]) == 0
         return self._blocked
 
-    def row_empty(self, row: int) -> bool:
-        return not bool(self.bitmask[row].any())
-
 
 class StructuredOutputs:
     """The engine's grammar compiler (cached) and per-step mask builder."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None = None) -> None:
+    def __init__(self, tokenizer, vocab_size: int) -> None:
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
         self._executor: llguidance.LLExecutor | None = None
@@ -184,9 +180,8 @@ class StructuredOutputs:
                 import llguidance.hf
 
                 n_vocab = max(self.vocab_size, len(self.hf_tokenizer))
-                eos = self.eos_token_id if self.eos_token_id is not None else self.hf_tokenizer.eos_token_id
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=n_vocab,
-                                                                  eos_token=eos)
+                                                                  eos_token=self.hf_tokenizer.eos_token_id)
             return self._ll_tokenizer
 
     def compile(self, spec: StructuredSpec) -> str:
@@ -254,15 +249,12 @@ class StructuredOutputs:
             self._executor = llguidance.LLExecutor()
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-grammar")
         items = [(c.matcher.matcher, row) for row, (c, _) in enumerate(grammar)]
-        step.future = self._pool.submit(_fill, self._executor, items, step.bitmask)
+        step.future = self._pool.submit(self._executor.unsafe_compute_mask_ptr, items, step.bitmask.data_ptr(),
+                                        words * 4, len(grammar))
 
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
-
-
-def _fill(executor: llguidance.LLExecutor, items, bitmask: torch.Tensor) -> None:
-    executor.unsafe_compute_mask_ptr(items, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
 
 
 def apply_constraints(logits: torch.Tensor, constraints: list[TokenConstraint | None]) -> torch.Tensor:
@@ -277,7 +269,7 @@ def apply_constraints(logits: torch.Tensor, constraints: list[TokenConstraint | 
         blocked, empty = None, False
         if c.pending is not None:
             blocked = c.pending.blocked(vocab)[c.mask_row]
-            empty = c.pending.row_empty(c.mask_row)
+            empty = not bool(c.pending.bitmask[c.mask_row].any())
         if c.blocked is not None:
             blocked = c.blocked if blocked is None else blocked | c.blocked
             empty = empty or bool(blocked.all())
