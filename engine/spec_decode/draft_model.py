@@ -33,8 +33,6 @@ class _DraftState:
 
 
 class DraftModelProposer(Proposer):
-    name = "draft"
-
     def __init__(self, config: EngineConfig, target_vocab: int, num_blocks: int, max_len: int,
                  device: torch.device) -> None:
         # without a draft model: the target itself (another dtype or quantization, the chapter's self-draft)

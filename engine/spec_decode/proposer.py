@@ -13,8 +13,6 @@ from pagedserve.engine.sequence import Sequence
 class Proposer(ABC):
     """Guesses the next tokens of a request. The target verifies them, so a bad guess costs time, not output."""
 
-    name: str = "?"
-
     @abstractmethod
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
         """Up to `max_tokens` draft tokens that continue `seq.token_ids` (may be fewer, or none)."""
@@ -31,8 +29,6 @@ class NgramProposer(Proposer):
     """Prompt lookup: find the latest earlier occurrence of the request's last n tokens (n from max down to
     min) in its own prompt + output, and propose what followed it. No model; wins where the output quotes
     or edits the input."""
-
-    name = "ngram"
 
     def __init__(self, min_n: int, max_n: int) -> None:
         if not 1 <= min_n <= max_n:
