@@ -120,9 +120,8 @@ class IncrementalDetokenizer:
 
     CONTEXT = 5  # prompt tokens kept as left context
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int]) -> None:
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_token_ids[-self.CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -131,7 +130,7 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             return ""
         self.ids.extend(token_ids)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         prefix = decode(self.ids[self.prefix_offset:self.read_offset])
         text = decode(self.ids[self.prefix_offset:])
         if len(text) <= len(prefix) or text.endswith("\ufffd"):
@@ -152,24 +151,21 @@ class StopStringMatcher:
 
     def __init__(self, stop: list[str]) -> None:
         self.stop = stop
-        # trie nodes: children, failure link, depth, length of the longest stop string ending here (0: none)
+        # trie nodes: children, depth, failure link, length of the longest stop string ending here (0: none)
         self._next: list[dict[str, int]] = [{}]
-        self._fail = [0]
         self._depth = [0]
-        self._match = [0]
+        ends = set()
         for s in stop:
             node = 0
             for ch in s:
-                child = self._next[node].get(ch)
-                if child is None:
-                    child = len(self._next)
-                    self._next[node][ch] = child
+                if ch not in self._next[node]:
+                    self._next[node][ch] = len(self._next)
                     self._next.append({})
-                    self._fail.append(0)
                     self._depth.append(self._depth[node] + 1)
-                    self._match.append(0)
-                node = child
-            self._match[node] = max(self._match[node], len(s))
+                node = self._next[node][ch]
+            ends.add(node)
+        self._fail = [0] * len(self._next)
+        self._match = [depth if node in ends else 0 for node, depth in enumerate(self._depth)]
         queue = list(self._next[0].values())  # breadth-first: a node's failure target is shallower
         for node in queue:
             for ch, child in self._next[node].items():
