@@ -96,11 +96,8 @@ class GrammarMatcher:
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Make the state match `output_token_ids` (the sequence's outputs), rolling back or replaying."""
-        n = len(output_token_ids)
-        if n == self.num_consumed and not self.matcher.is_error():
-            return
-        if n < self.num_consumed and not self.matcher.is_error():
-            self.rollback(self.num_consumed - n)
+        if len(output_token_ids) <= self.num_consumed and not self.matcher.is_error():
+            self.rollback(self.num_consumed - len(output_token_ids))
             return
         self.matcher.reset()
         self.num_consumed = 0
