@@ -48,17 +48,14 @@ class SamplingParams:
                                       f"{' (0 only with prompt_logprobs)' if floor else ''}, got {self.max_tokens}",
                                       "max_tokens")
         if not 0.0 <= self.temperature <= 2.0:
-            raise InvalidRequestError(
-                f"temperature must be in [0, 2], got {self.temperature}", "temperature"
-            )
+            raise InvalidRequestError(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}", "top_k")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequestError(
-                f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(self.stop)}", "stop"
-            )
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(self.stop)}",
+                                      "stop")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop sequences must be non-empty strings", "stop")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
