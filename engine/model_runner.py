@@ -175,7 +175,7 @@ class ModelRunner:
         return peak
 
     def kv_cache_bytes(self) -> int:
-        return self.kv_cache.numel() * dtype_size(self.kv_cache.dtype)
+        return self.kv_cache.nbytes
 
     # ---- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
