@@ -224,9 +224,7 @@ class LLMEngine:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         seq = Sequence(next(self._seq_ids), request_id, ids, params, max_tokens, self.eos_token_ids,
                        arrival_time=arrival_time or time.monotonic())
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        generator = None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
         req = RequestState(seq, IncrementalDetokenizer(self._detok_tokenizer, ids), StopStringMatcher(params.stop),
                        SampleRequest(params, [], generator, self.structured.constraint_for(params)))
         if params.prompt_logprobs is not None:
