@@ -10,7 +10,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.engine import allocator
 from pagedserve.engine.config import opt
@@ -57,15 +57,13 @@ RATE_WINDOW = 64
 TRIM_EVERY_S = 20.0
 
 
+@dataclass(slots=True, eq=False)
 class _Stream:
-    __slots__ = ("queue", "num_prompt_tokens", "owner", "started", "first")
-
-    def __init__(self, num_prompt_tokens: int, owner: str | None) -> None:
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.num_prompt_tokens = num_prompt_tokens
-        self.owner = owner  # who submitted it (a server's tenant id), so a live view shows each its own ids
-        self.started = False  # first output seen
-        self.first = asyncio.Event()  # set by the first output (or the engine's death)
+    num_prompt_tokens: int
+    owner: str | None  # who submitted it (a server's tenant id), so a live view shows each its own ids
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    started: bool = False  # first output seen
+    first: asyncio.Event = field(default_factory=asyncio.Event)  # set by the first output (or the engine's death)
 
 
 class AsyncEngine:
