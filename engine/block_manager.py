@@ -242,7 +242,5 @@ class BlockManager:
                     counts[b] += 1
             for block in self.blocks:
                 if counts[block.block_id] != block.ref_count:
-                    raise AssertionError(
-                        f"block {block.block_id}: ref count {block.ref_count} but "
-                        f"{counts[block.block_id]} sequences hold it"
-                    )
+                    raise AssertionError(f"block {block.block_id}: ref count {block.ref_count} but "
+                                         f"{counts[block.block_id]} sequences hold it")
