@@ -249,10 +249,6 @@ class StructuredOutputs:
         step.future = self._pool.submit(self._executor.unsafe_compute_mask_ptr, items, step.bitmask.data_ptr(),
                                         words * 4, len(grammar))
 
-    def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-
 
 def apply_constraints(logits: torch.Tensor, constraints: list[TokenConstraint | None]) -> torch.Tensor:
     """Bias, then mask, the rows that have constraints, in place, row by row (no copy of the batch). A row
