@@ -68,7 +68,7 @@ def _cat_as_int8(parts: list[Int4Weight | Int8Weight]) -> Int8Weight:
     group values are spelled out over the smallest group. 8-bit value codes stay codes where every part has them
     under the same super-block, else they become fp32 values (exact either way)."""
     group = min(p.group for p in parts)
-    q = [p.q if isinstance(p, Int8Weight) else unpack_nibbles(p.codes).to(torch.int8) for p in parts]
+    q = [p.codes if isinstance(p, Int8Weight) else unpack_nibbles(p.codes).to(torch.int8) for p in parts]
 
     def spelled(p, name: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         v, d = getattr(p, name), getattr(p, name + "_d")

@@ -12,22 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.engine.quant.layouts import (
-    PANEL,
-    from_panels,
-    pack_nibbles,
-    rows_to_panels,
-    to_panels,
-    unpack_nibbles,
-    value_rows,
-)
-from pagedserve.engine.quant.weight import QuantWeight, group_values, grouped, narrow_values
+from pagedserve.engine.quant.layouts import PANEL, from_panels, pack_nibbles, to_panels, unpack_nibbles
+from pagedserve.engine.quant.weight import GroupedWeight, grouped, narrow_values
 
 TORCH_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes `_weight_int4pack_mm_for_cpu` takes
-VALUES = ("scale", "bias", "scale_d", "bias_d")  # the per-group tensors, laid out beside the codes
 
 
-class Int4Weight(QuantWeight):
+class Int4Weight(GroupedWeight):
+    kind = "int4"
+    code_bits = 4
+
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, fmt: str = "int4",
                  group: int | None = None, scale_d: torch.Tensor | None = None,
                  bias_d: torch.Tensor | None = None) -> None:
@@ -44,7 +38,6 @@ class Int4Weight(QuantWeight):
         self._sz: torch.Tensor | None = None  # [K / kernel group, N, 2] scale and zero, in the kernel's dtype
         self._kgroup = 0
         self._bits = 0
-        self.column_max: torch.Tensor | None = None  # for the AMX GEMM's smoothing
 
     @classmethod
     def quantize(cls, w: torch.Tensor, group: int, per_tensor: bool = False) -> Int4Weight:
@@ -61,47 +54,34 @@ class Int4Weight(QuantWeight):
     def narrow(self, dim: int, start: int, length: int) -> Int4Weight:
         if self.layout is not None:
             raise ValueError("narrow an int4 weight before it is laid out")
-        k = self.shape[1]
         if dim == 0:
             codes = self.codes[start:start + length]
         elif start % 2 or length % 2:
             raise ValueError(f"int4 columns {start}..{start + length}: a byte holds two, so cut at even columns")
         else:
             codes = self.codes[:, start // 2:(start + length) // 2]
-        values = [narrow_values(getattr(self, n), dim, start, length, k) for n in VALUES]
-        group = length if dim == 1 and self.group == k else self.group
-        return Int4Weight(codes.clone(), values[0], values[1], self.format, group, *values[2:])
+        scale, bias, scale_d, bias_d = (narrow_values(v, dim, start, length, self.shape[1]) for v in self.values())
+        return Int4Weight(codes.clone(), scale, bias, self.format, None, scale_d, bias_d)
 
     def _scale_bias(self, rows: torch.Tensor | slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 [R, G] scale and bias of `rows` (per-tensor: one group per row)."""
-        at = lambda name: value_rows(getattr(self, name), rows, self.shape[0], self.layout == "panels")
-        scale = group_values(at("scale"), at("scale_d"))
-        bias = at("bias")
-        return scale, (-8 * scale if bias is None else group_values(bias, at("bias_d")))
-
-    def _dense(self, codes: torch.Tensor, rows: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
-        """Dequantized row-major packed codes [R, K/2] of rows `rows`."""
-        scale, bias = self._scale_bias(rows)
-        n, k = codes.shape[0], codes.shape[1] * 2
-        c = unpack_nibbles(codes).float().view(n, -1, k // scale.shape[1])
-        return (c * scale[:, :, None] + bias[:, :, None]).view(n, k).to(dtype)
+        scale, bias = super()._scale_bias(rows)
+        return scale, (-8 * scale if bias is None else bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        n, k = self.shape
         if self.layout == "torch":  # the kernel on the identity matrix reads the codes back
-            eye = torch.eye(k, dtype=torch.float32, device=self._packed.device)
+            eye = torch.eye(self.shape[1], dtype=torch.float32, device=self._packed.device)
             return self._torch_kernel(eye, self._sz.float()).t().contiguous().to(dtype)
         codes = from_panels(self.codes) if self.layout == "panels" else self.codes
-        return self._dense(codes, slice(None), dtype)
+        return self._dense(unpack_nibbles(codes), slice(None), dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows (an embedding lookup), from panels or row-major codes."""
         if self.layout == "panels":  # row n's 4-byte pieces sit at 4 (n % 16) of every 64-byte step of panel n // 16
             p, r = ids // PANEL, ids % PANEL
             b = self.codes.view(-1, self.shape[1] // 8, PANEL, 4)[p, :, r]  # [R, K/8, 4]
-            codes = pack_nibbles(torch.stack((b & 15, b >> 4), dim=2).reshape(len(ids), -1))
+            codes = torch.stack((b & 15, b >> 4), dim=2).reshape(len(ids), -1)
         else:
-            codes = self.codes[ids]
+            codes = unpack_nibbles(self.codes[ids])
         return self._dense(codes, ids, dtype)
 
     def panels_fit(self) -> bool:
@@ -120,10 +100,7 @@ class Int4Weight(QuantWeight):
         if layout == "panels":
             if self.bias is None:  # spelled out for the kernel: -8 * scale, exact in the scale's fp16/fp32
                 self.bias = -8 * self.scale.expand(self.shape[0], -1)
-            self.scale = self.scale.expand(self.shape[0], -1)
-            for name in VALUES:
-                if getattr(self, name) is not None:
-                    setattr(self, name, rows_to_panels(getattr(self, name).to(device)))
+            self._values_to_panels(device)
             self.codes = to_panels(self.codes.to(device))
         elif layout == "torch":
             kgroup = self.torch_kernel_group()
@@ -138,9 +115,9 @@ class Int4Weight(QuantWeight):
             self.codes = self.codes.new_empty(0)  # the kernel layout is the only copy kept
             self.scale = self.bias = self.scale_d = self.bias_d = None
         else:
-            for name in ("codes",) + VALUES:
-                if getattr(self, name) is not None:
-                    setattr(self, name, getattr(self, name).to(device))
+            self.codes = self.codes.to(device)
+            self.scale, self.bias, self.scale_d, self.bias_d = (None if v is None else v.to(device)
+                                                                for v in self.values())
         self.layout = layout
 
     @property
@@ -148,28 +125,7 @@ class Int4Weight(QuantWeight):
         """The activation dtype torch's kernel runs in ("torch" layout only)."""
         return None if self._sz is None else self._sz.dtype
 
-    # ---- kernels (engine/layers/linear.py picks) ------------------------------------------------------------
-    def gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """Ours, panels: int8 codes of the activations (a scale per 32) times the nibbles (VNNI)."""
-        return torch.ops.pagedserve.int4_linear(x, self.codes, self.scale, self.bias, self.scale_d, self.bias_d)
-
-    def gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """Ours, panels: cache-sized tiles dequantized to x's dtype, each through oneDNN's GEMM."""
-        return torch.ops.pagedserve.int4_gemm(x, self.codes, self.scale, self.bias, self.scale_d, self.bias_d)
-
-    def amx_gemm(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """Ours, panels, AMX: int8 codes of x (a scale per row) times the weights re-quantized to int8 per row,
-        both sides smoothed per channel by the column maxima (`column_absmax`, taken when the route is chosen),
-        the channels with the largest maxima apart with scales of their own (engine/csrc/amx_gemm.cpp).
-        `silu_mul` (a fused gate|up weight): SiLU(gate) * up, computed as the products are."""
-        return torch.ops.pagedserve.int4_amx_gemm(x, self.codes, self.scale, self.bias, self.scale_d, self.bias_d,
-                                                  self.column_max, silu_mul)
-
-    def column_absmax(self) -> torch.Tensor:
-        """max over rows of |w| per column (panels), fp32 [K]."""
-        return torch.ops.pagedserve.panel_column_absmax(self.codes, self.scale, self.bias, self.scale_d, self.bias_d,
-                                                        4, self.shape[1])
-
+    # ---- torch's kernel, in its layout (engine/layers/linear.py picks) --------------------------------------
     def _torch_kernel(self, x: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, self._kgroup, sz.to(x.dtype))
 
@@ -177,34 +133,10 @@ class Int4Weight(QuantWeight):
         """torch's `_weight_int4pack_mm_for_cpu` ("torch"), in its kernel dtype, cast back to x's."""
         return self._torch_kernel(x.to(self._sz.dtype), self._sz).to(x.dtype)
 
-    def panel_operands(self) -> list[torch.Tensor] | None:
-        """Codes and the four group values (an empty tensor for each one absent), in panels only."""
-        if self.layout != "panels":
-            return None
-        empty = self.codes.new_empty(0)
-        return [self.codes] + [empty if getattr(self, n) is None else getattr(self, n) for n in VALUES]
-
     def tensors(self) -> list[torch.Tensor]:
         if self.layout == "torch":
             return [self._packed, self._sz]
-        return [t for t in [self.codes] + [getattr(self, n) for n in VALUES] if t is not None]
+        return [t for t in [self.codes, *self.values()] if t is not None]
 
     def storage_bits(self) -> int:
-        n, k = self.shape
-        if self.format == "int4-tensor":
-            return 4 * n * k + 32 * self.scale.unique().numel()
-        if self.layout == "torch":
-            return self._bits
-        values = [self.scale, None if self.symmetric else self.bias, self.scale_d, self.bias_d]
-        return 4 * n * k + sum(8 * v.numel() * v.element_size() for v in values if v is not None)
-
-    @classmethod
-    def cat(cls, parts: list[QuantWeight]) -> Int4Weight:
-        if parts[0].format == "int4-tensor":  # one scale per original matrix, spelled out per row
-            scale = torch.cat([p.scale.expand(p.shape[0], 1) for p in parts])
-            return cls(torch.cat([p.codes for p in parts]), scale, None, "int4-tensor", parts[0].shape[1])
-        if len({(p.group, p.bias is None, p.scale_d is None, p.bias_d is None) for p in parts}) != 1:
-            raise ValueError("cannot fuse int4 weights with different groups or value layouts")
-        cat = lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
-        return cls(torch.cat([p.codes for p in parts]), cat("scale"), cat("bias"), parts[0].format, parts[0].group,
-                   cat("scale_d"), cat("bias_d"))
+        return self._bits if self.layout == "torch" else super().storage_bits()

@@ -23,27 +23,25 @@ from pagedserve.engine.quant.layouts import (
     int6_to_panels,
     int8_from_panels,
     int8_to_panels,
-    rows_to_panels,
-    value_rows,
 )
-from pagedserve.engine.quant.weight import QuantWeight, group_values, narrow_values
-
-VALUES = ("scale", "bias", "scale_d", "bias_d")  # the per-group tensors, laid out beside the codes
+from pagedserve.engine.quant.weight import GroupedWeight, narrow_values
 
 
-class Int8Weight(QuantWeight):
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, fmt: str = "int8", bias: torch.Tensor | None = None,
+class Int8Weight(GroupedWeight):
+    kind = "int8"
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, fmt: str = "int8", bias: torch.Tensor | None = None,
                  scale_d: torch.Tensor | None = None, bias_d: torch.Tensor | None = None) -> None:
-        self.q = q  # int8 [N, K]; [N/16, 16K] as panels
+        self.codes = codes  # int8 [N, K]; [N/16, 16K] as panels
         self.scale = scale  # [N, G] fp16/fp32 (or 8-bit codes with scale_d); fp32 [1, 1] per tensor
         self.bias, self.scale_d, self.bias_d = bias, scale_d, bias_d
+        self.symmetric = bias is None
         self.format = fmt
-        self.shape = (q.shape[0], q.shape[1])
+        self.shape = (codes.shape[0], codes.shape[1])
         self.group = self.shape[1] // scale.shape[1]
         self.layout = None
         self.row_scale: torch.Tensor | None = None  # fp32 [N] for torch's kernel ("rows", per row or per tensor)
-        self.column_max: torch.Tensor | None = None  # for the AMX GEMM's smoothing
-        self.code_bits = 6 if self.format not in ("int8", "int8-tensor") and _fits_6_bits(q) else 8
+        self.code_bits = 6 if self.format not in ("int8", "int8-tensor") and _fits_6_bits(codes) else 8
 
     @classmethod
     def quantize(cls, w: torch.Tensor, per_tensor: bool = False) -> Int8Weight:
@@ -63,44 +61,28 @@ class Int8Weight(QuantWeight):
     def narrow(self, dim: int, start: int, length: int) -> Int8Weight:
         if self.layout is not None:
             raise ValueError("narrow an int8 weight before it is laid out")
-        k = self.shape[1]
-        q = self.q[start:start + length] if dim == 0 else self.q[:, start:start + length]
-        values = [narrow_values(getattr(self, n), dim, start, length, k) for n in VALUES]
-        w = Int8Weight(q.clone(), values[0], self.format, *values[1:])
+        codes = self.codes[start:start + length] if dim == 0 else self.codes[:, start:start + length]
+        values = [narrow_values(v, dim, start, length, self.shape[1]) for v in self.values()]
+        w = Int8Weight(codes.clone(), values[0], self.format, *values[1:])
         w.code_bits = self.code_bits  # a shard keeps the whole matrix's code width (its kernels, its bits)
         return w
 
-    def _dense(self, q: torch.Tensor, rows: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
-        """Dequantized codes q [R, K] of rows `rows`."""
-        scale, bias, scale_d, bias_d = (value_rows(getattr(self, n), rows, self.shape[0], self.layout == "panels")
-                                        for n in VALUES)
-        s = group_values(scale, scale_d)
-        n, k = q.shape
-        g = s.shape[1]
-        w = q.float().view(n, g, k // g) * s[:, :, None]
-        if bias is not None:
-            w = w + group_values(bias, bias_d)[:, :, None]
-        return w.view(n, k).to(dtype)
-
-    def _codes(self) -> torch.Tensor:
-        """Row-major int8 codes [N, K], whichever layout is held."""
-        if self.layout != "panels":
-            return self.q
-        return int6_from_panels(self.q) if self.code_bits == 6 else int8_from_panels(self.q)
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self._dense(self._codes(), slice(None), dtype)
+        codes = self.codes
+        if self.layout == "panels":
+            codes = int6_from_panels(codes) if self.code_bits == 6 else int8_from_panels(codes)
+        return self._dense(codes, slice(None), dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows (an embedding lookup)."""
         if self.layout == "panels" and self.code_bits == 6:  # the rows' panels, decoded
             p, r = ids // PANEL, ids % PANEL
-            q = int6_from_panels(self.q[p]).view(len(ids), PANEL, -1)[torch.arange(len(ids)), r]
+            q = int6_from_panels(self.codes[p]).view(len(ids), PANEL, -1)[torch.arange(len(ids)), r]
         elif self.layout == "panels":  # row n's 4-byte pieces sit at 4 (n % 16) of every 64-byte step of panel n // 16
             p, r = ids // PANEL, ids % PANEL
-            q = self.q.view(-1, self.shape[1] // 4, PANEL, 4)[p, :, r].reshape(len(ids), -1)
+            q = self.codes.view(-1, self.shape[1] // 4, PANEL, 4)[p, :, r].reshape(len(ids), -1)
         else:
-            q = self.q[ids]
+            q = self.codes[ids]
         return self._dense(q, ids, dtype)
 
     def panels_fit(self) -> bool:
@@ -112,88 +94,32 @@ class Int8Weight(QuantWeight):
         """Move to `device` in our kernels' panels or row-major. Once: a tied embedding and LM head share it."""
         if self.layout is not None:
             return
-        for name in ("q",) + VALUES:
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name).to(device))
-        n = self.shape[0]
         if panels:
-            self.scale = self.scale.expand(n, -1)
-            for name in VALUES:
-                if getattr(self, name) is not None:
-                    setattr(self, name, rows_to_panels(getattr(self, name)))
-            self.q = int6_to_panels(self.q) if self.code_bits == 6 else int8_to_panels(self.q)
+            self._values_to_panels(device)
+            codes = self.codes.to(device)
+            self.codes = int6_to_panels(codes) if self.code_bits == 6 else int8_to_panels(codes)
             self.layout = "panels"
             return
+        self.codes = self.codes.to(device)
+        self.scale, self.bias, self.scale_d, self.bias_d = (None if v is None else v.to(device) for v in self.values())
         self.layout = "rows"
         if self.plain and self.scale.shape[1] == 1:  # per row or per tensor: torch's kernel applies
-            self.row_scale = self.scale.expand(n, 1).reshape(-1).float().contiguous()
+            self.row_scale = self.scale.expand(self.shape[0], 1).reshape(-1).float().contiguous()
 
-    # ---- kernels (engine/layers/linear.py picks) ------------------------------------------------------------
-    def gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """Ours, panels: int8 codes of the activations (a scale per 32) times the weight codes (VNNI)."""
-        op = torch.ops.pagedserve.int6_linear if self.code_bits == 6 else torch.ops.pagedserve.int8_linear
-        return op(x, self.q, self.scale, self.bias, self.scale_d, self.bias_d)
-
-    def gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """Ours, panels: cache-sized tiles dequantized to x's dtype, each through oneDNN's GEMM."""
-        op = torch.ops.pagedserve.int6_gemm if self.code_bits == 6 else torch.ops.pagedserve.int8_gemm
-        return op(x, self.q, self.scale, self.bias, self.scale_d, self.bias_d)
-
-    def amx_gemm(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """Ours, panels, AMX: int8 codes of x (a scale per row) times the weights re-quantized to int8 per row,
-        both sides smoothed per channel by the column maxima (`column_absmax`, taken when the route is chosen),
-        the channels with the largest maxima apart with scales of their own (engine/csrc/amx_gemm.cpp).
-        `silu_mul` (a fused gate|up weight): SiLU(gate) * up, computed as the products are."""
-        op = torch.ops.pagedserve.int6_amx_gemm if self.code_bits == 6 else torch.ops.pagedserve.int8_amx_gemm
-        return op(x, self.q, self.scale, self.bias, self.scale_d, self.bias_d, self.column_max, silu_mul)
-
-    def column_absmax(self) -> torch.Tensor:
-        """max over rows of |w| per column (panels), fp32 [K]."""
-        return torch.ops.pagedserve.panel_column_absmax(self.q, self.scale, self.bias, self.scale_d, self.bias_d,
-                                                        self.code_bits, self.shape[1])
-
+    # ---- torch's kernels, on rows (engine/layers/linear.py picks) -------------------------------------------
     def torch_gemv(self, x: torch.Tensor, kernel_dtype: torch.dtype) -> torch.Tensor:
         """torch's `_weight_int8pack_mm` ("rows" with a row scale), computed in `kernel_dtype`."""
         if self.shape[1] % 32:  # its bf16 path returns garbage unless K % 32 == 0 (torch 2.13): fp32 there
             kernel_dtype = torch.float32
         s = self.row_scale
-        return torch.ops.aten._weight_int8pack_mm(x.to(kernel_dtype), self.q, s.to(kernel_dtype)).to(x.dtype)
+        return torch.ops.aten._weight_int8pack_mm(x.to(kernel_dtype), self.codes, s.to(kernel_dtype)).to(x.dtype)
 
     def codes_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """A dense GEMM on the codes (exact in bf16/fp32), the row scale applied to the output ("rows")."""
-        return F.linear(x, self.q.to(x.dtype)) * self.row_scale.to(x.dtype)
-
-    def panel_operands(self) -> list[torch.Tensor] | None:
-        """What our GEMV takes (and the fused decode layer, engine/csrc/decode_layer.cpp), in panels only: codes
-        and the four group values, an empty tensor for each one absent."""
-        if self.layout != "panels":
-            return None
-        empty = self.q.new_empty(0)
-        return [self.q] + [empty if getattr(self, n) is None else getattr(self, n) for n in VALUES]
+        return F.linear(x, self.codes.to(x.dtype)) * self.row_scale.to(x.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        held = [self.q, self.row_scale] + [getattr(self, n) for n in VALUES]
-        return [t for t in held if t is not None]
-
-    def storage_bits(self) -> int:
-        n, k = self.shape
-        if self.format == "int8-tensor":
-            return 8 * n * k + 32 * self.scale.unique().numel()
-        values = [getattr(self, name) for name in VALUES]
-        return self.code_bits * n * k + sum(8 * v.numel() * v.element_size() for v in values if v is not None)
-
-    @classmethod
-    def cat(cls, parts: list[QuantWeight]) -> Int8Weight:
-        if parts[0].format == "int8-tensor":  # one scale per original matrix, spelled out per row
-            scale = torch.cat([p.scale.expand(p.shape[0], 1) for p in parts])
-            return cls(torch.cat([p.q for p in parts]), scale, "int8-tensor")
-        if len({(p.group, p.bias is None, p.scale_d is None, p.bias_d is None) for p in parts}) != 1:
-            raise ValueError("cannot fuse int8 weights with different groups or value layouts")
-        if parts[0].scale_d is not None and len({p.scale.shape[1] // p.scale_d.shape[1] for p in parts}) != 1:
-            raise ValueError("cannot fuse int8 weights with different super-blocks")
-        cat = lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
-        return cls(torch.cat([p.q for p in parts]), cat("scale"), parts[0].format, cat("bias"), cat("scale_d"),
-                   cat("bias_d"))
+        return [t for t in [self.codes, self.row_scale, *self.values()] if t is not None]
 
 
 def _fits_6_bits(q: torch.Tensor) -> bool:

@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
+from pagedserve.engine.quant.layouts import rows_to_panels, value_rows
+
 
 class QuantWeight(ABC):
     """One quantized [N, K] weight."""
@@ -58,6 +60,101 @@ class QuantWeight(ABC):
     @property
     def bits_per_weight(self) -> float:
         return self.storage_bits() / (self.shape[0] * self.shape[1])
+
+
+VALUES = ("scale", "bias", "scale_d", "bias_d")  # the per-group tensors, laid out beside the codes
+
+
+class GroupedWeight(QuantWeight):
+    """Codes times per-group values, w = c * scale + bias per group along K (int4.py, int8.py). A scale or bias
+    held as 8-bit codes comes with its fp16 factor per super-block (`scale_d`, `bias_d` [N, G / per]). In "panels"
+    both formats run the same family of our C++ kernels, named by the code width: int4_*, int6_*, int8_*."""
+
+    kind: str  # "int4" or "int8": the storage, whatever the format's name
+    codes: torch.Tensor
+    code_bits: int
+    scale: torch.Tensor | None
+    bias: torch.Tensor | None  # None: symmetric
+    scale_d: torch.Tensor | None
+    bias_d: torch.Tensor | None
+    symmetric: bool
+    column_max: torch.Tensor | None = None  # for the AMX GEMM's smoothing
+
+    def values(self) -> list[torch.Tensor | None]:
+        """scale, bias, scale_d, bias_d, in the layout held (None where absent)."""
+        return [self.scale, self.bias, self.scale_d, self.bias_d]
+
+    def _scale_bias(self, rows: torch.Tensor | slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 [R, G] scale and bias (None where there is none) of `rows`, whichever layout is held."""
+        scale, bias, scale_d, bias_d = (value_rows(v, rows, self.shape[0], self.layout == "panels")
+                                        for v in self.values())
+        return group_values(scale, scale_d), None if bias is None else group_values(bias, bias_d)
+
+    def _dense(self, codes: torch.Tensor, rows: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized row-major codes [R, K] of rows `rows`."""
+        scale, bias = self._scale_bias(rows)
+        n, k = codes.shape
+        w = codes.float().view(n, -1, k // scale.shape[1]) * scale[:, :, None]
+        if bias is not None:
+            w = w + bias[:, :, None]
+        return w.view(n, k).to(dtype)
+
+    def _values_to_panels(self, device: torch.device) -> None:
+        """The per-group values on `device` as [N/16, G, 16], one row's beside its codes (a per-tensor scale is
+        spelled out per row)."""
+        self.scale = self.scale.expand(self.shape[0], -1)
+        for name in VALUES:
+            if getattr(self, name) is not None:
+                setattr(self, name, rows_to_panels(getattr(self, name).to(device)))
+
+    # ---- our kernels, on panels (engine/layers/linear.py picks) ---------------------------------------------
+    def _op(self, kind: str):
+        return getattr(torch.ops.pagedserve, f"int{self.code_bits}_{kind}")
+
+    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """int8 codes of the activations (a scale per 32) times the weight codes (VNNI)."""
+        return self._op("linear")(x, self.codes, *self.values())
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """Cache-sized tiles dequantized to x's dtype, each through oneDNN's GEMM."""
+        return self._op("gemm")(x, self.codes, *self.values())
+
+    def amx_gemm(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """AMX: int8 codes of x (a scale per row) times the weights re-quantized to int8 per row, both sides
+        smoothed per channel by the column maxima (`column_absmax`, taken when the route is chosen), the channels
+        with the largest maxima apart with scales of their own (engine/csrc/amx_gemm.cpp).
+        `silu_mul` (a fused gate|up weight): SiLU(gate) * up, computed as the products are."""
+        return self._op("amx_gemm")(x, self.codes, *self.values(), self.column_max, silu_mul)
+
+    def column_absmax(self) -> torch.Tensor:
+        """max over rows of |w| per column, fp32 [K]."""
+        return torch.ops.pagedserve.panel_column_absmax(self.codes, *self.values(), self.code_bits, self.shape[1])
+
+    def panel_operands(self) -> list[torch.Tensor] | None:
+        """Codes and the four group values (an empty tensor for each one absent), in panels only."""
+        if self.layout != "panels":
+            return None
+        empty = self.codes.new_empty(0)
+        return [self.codes] + [empty if v is None else v for v in self.values()]
+
+    def storage_bits(self) -> int:
+        n, k = self.shape
+        if self.format.endswith("-tensor"):
+            return self.code_bits * n * k + 32 * self.scale.unique().numel()
+        values = [self.scale, None if self.symmetric else self.bias, self.scale_d, self.bias_d]
+        return self.code_bits * n * k + sum(8 * v.numel() * v.element_size() for v in values if v is not None)
+
+    @classmethod
+    def cat(cls, parts: list[QuantWeight]) -> GroupedWeight:
+        first = parts[0]
+        if len({(p.group, p.bias is None, p.scale_d is None, p.bias_d is None) for p in parts}) != 1:
+            raise ValueError(f"cannot fuse {first.kind} weights with different groups or value layouts")
+        if first.scale_d is not None and len({p.scale.shape[1] // p.scale_d.shape[1] for p in parts}) != 1:
+            raise ValueError(f"cannot fuse {first.kind} weights with different super-blocks")
+        # a per-tensor scale: one per original matrix, spelled out per row
+        values = {name: None if getattr(first, name) is None else
+                  torch.cat([getattr(p, name).expand(p.shape[0], -1) for p in parts]) for name in VALUES}
+        return cls(torch.cat([p.codes for p in parts]), fmt=first.format, **values)
 
 
 def group_values(v: torch.Tensor, d: torch.Tensor | None) -> torch.Tensor:
