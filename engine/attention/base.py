@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -29,6 +29,10 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def for_backend(self, cls: type, *extra) -> AttentionMetadata:
+        """A backend's metadata (`cls`, a subclass): these common fields, then its own `extra` ones."""
+        return cls(*(getattr(self, f.name) for f in fields(AttentionMetadata)), *extra)
 
 
 class AttentionBackend(ABC):

@@ -12,7 +12,7 @@ uses the PyTorch reference instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -48,8 +48,6 @@ class CpuAttentionMetadata(AttentionMetadata):
     splits: int
 
 
-_COMMON = [f.name for f in fields(AttentionMetadata)]
-
 
 class CpuPagedAttention(AttentionBackend):
     """The C++ kernel for decodes and chunks up to the table's length, SDPA for longer prefill/extend chunks."""
@@ -70,8 +68,7 @@ class CpuPagedAttention(AttentionBackend):
         items = sum(-(-q_len // QUERY_TILE) for q_len in lens[:n]) * num_kv_heads
         splits = num_splits(items, max(meta.seq_lens_cpu[:n], default=0), torch.get_num_threads())
         args = (meta.block_tables[:n], meta.seq_lens[:n], meta.query_start_loc[:n + 1])
-        return CpuAttentionMetadata(*(getattr(meta, f) for f in _COMMON), slots, keep, n, sum(lens[:n]), args,
-                                    splits)
+        return meta.for_backend(CpuAttentionMetadata, slots, keep, n, sum(lens[:n]), args, splits)
 
     def fused_decode_args(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> tuple | None:
         """The attention operands of the fused decode layer (engine/layers/fused_decode.py): slots, the kernel's

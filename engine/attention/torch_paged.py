@@ -7,7 +7,7 @@ sequence at a time with SDPA (few per step, each large, so the loop costs little
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +31,6 @@ def store_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache:
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V rows into their cache slots; slot -1 marks padding and is skipped."""
-    store_rows(k, v, k_cache, v_cache, *drop_padding(slot_mapping))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -64,8 +58,6 @@ class TorchAttentionMetadata(AttentionMetadata):
     width: int
 
 
-_COMMON = [f.name for f in fields(AttentionMetadata)]
-
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
@@ -84,7 +76,7 @@ class TorchPagedAttention(AttentionBackend):
             pad = torch.arange(width * block_size, device=slots.device)[None, :] >= meta.seq_lens[:nd, None]
             mask = torch.zeros(pad.shape, dtype=dtype, device=slots.device).masked_fill_(pad, float("-inf"))
             mask = mask[:, None, None, :]
-        return TorchAttentionMetadata(*(getattr(meta, f) for f in _COMMON), slots, keep, tables, mask, width)
+        return meta.for_backend(TorchAttentionMetadata, slots, keep, tables, mask, width)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not isinstance(meta, TorchAttentionMetadata):
