@@ -127,8 +127,7 @@ def kernel_table(device: torch.device, dtype: torch.dtype | None = None, policy:
         attention_kernel_bf16_all="avx512_bf16" in (machine.flags or ()) and not machine.amx,
         quant_gemm_amx=cpp and cpu_kernels.amx_int8(),
     )
-    return dataclasses.replace(table, **{k: v for k, v in pinned.items() if k not in ("auto_bf16", "prepack_fp32",
-                                                                                     "torch_int_bf16", "cpp")})
+    return dataclasses.replace(table, **pinned)
 
 
 def auto_dtype(device: torch.device, policy: str | None = None) -> torch.dtype:
@@ -163,12 +162,17 @@ def _probe_file():
     return cache_dir() / "probes.json"
 
 
-@functools.cache
-def _cached_probes() -> dict[str, Any]:
+def _read_probes() -> dict[str, Any]:
+    """Every machine's cached probes, by machine key ({} where there is no readable cache)."""
     try:
-        return json.loads(_probe_file().read_text()).get(_machine_key(), {})
+        return json.loads(_probe_file().read_text())
     except (OSError, ValueError):
         return {}
+
+
+@functools.cache
+def _cached_probes() -> dict[str, Any]:
+    return _read_probes().get(_machine_key(), {})
 
 
 def measured(name: str, probe: Callable[[], tuple[bool, str]]) -> bool:
@@ -185,10 +189,7 @@ def measured(name: str, probe: Callable[[], tuple[bool, str]]) -> bool:
     try:  # merge with what other processes wrote meanwhile; a read-only cache only costs a probe next time
         path = _probe_file()
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            everything = json.loads(path.read_text())
-        except (OSError, ValueError):
-            everything = {}
+        everything = _read_probes()
         everything.setdefault(_machine_key(), {})[name] = _cached_probes()[name]
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(everything, indent=1))
