@@ -75,10 +75,11 @@ def torch_huge_pages() -> bool | None:
 
 
 @functools.cache
-def _malloc_trim():
+def _libc():
+    """glibc, for its malloc tuning; None where it cannot be loaded."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    except (OSError, AttributeError, TypeError):  # not glibc
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):
         return None
 
 
@@ -86,16 +87,13 @@ def release_freed() -> None:
     """Hand freed heap memory back to the kernel (glibc's malloc_trim): after loading, whose temporaries (raw
     blocks, unpacked codes) the kept-blocks setting would otherwise leave resident, and now and then while
     serving (engine/async_engine.py)."""
-    trim = _malloc_trim()
+    trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)
 
 
 def _keep_freed_blocks() -> bool:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): their allocators differ
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:  # not glibc (musl, macOS): their allocators differ
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
