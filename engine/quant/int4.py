@@ -100,8 +100,9 @@ class Int4Weight(GroupedWeight):
         if layout == "panels":
             if self.bias is None:  # spelled out for the kernel: -8 * scale, exact in the scale's fp16/fp32
                 self.bias = -8 * self.scale.expand(self.shape[0], -1)
-            self._values_to_panels(device)
-            self.codes = to_panels(self.codes.to(device))
+            self._move_to(device)
+            self._values_to_panels()
+            self.codes = to_panels(self.codes)
         elif layout == "torch":
             kgroup = self.torch_kernel_group()
             scale, bias = self._scale_bias()
@@ -115,9 +116,7 @@ class Int4Weight(GroupedWeight):
             self.codes = self.codes.new_empty(0)  # the kernel layout is the only copy kept
             self.scale = self.bias = self.scale_d = self.bias_d = None
         else:
-            self.codes = self.codes.to(device)
-            self.scale, self.bias, self.scale_d, self.bias_d = (None if v is None else v.to(device)
-                                                                for v in self.values())
+            self._move_to(device)
         self.layout = layout
 
     @property

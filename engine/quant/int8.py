@@ -94,16 +94,12 @@ class Int8Weight(GroupedWeight):
         """Move to `device` in our kernels' panels or row-major. Once: a tied embedding and LM head share it."""
         if self.layout is not None:
             return
+        self._move_to(device)
+        self.layout = "panels" if panels else "rows"
         if panels:
-            self._values_to_panels(device)
-            codes = self.codes.to(device)
-            self.codes = int6_to_panels(codes) if self.code_bits == 6 else int8_to_panels(codes)
-            self.layout = "panels"
-            return
-        self.codes = self.codes.to(device)
-        self.scale, self.bias, self.scale_d, self.bias_d = (None if v is None else v.to(device) for v in self.values())
-        self.layout = "rows"
-        if self.plain and self.scale.shape[1] == 1:  # per row or per tensor: torch's kernel applies
+            self._values_to_panels()
+            self.codes = int6_to_panels(self.codes) if self.code_bits == 6 else int8_to_panels(self.codes)
+        elif self.plain and self.scale.shape[1] == 1:  # per row or per tensor: torch's kernel applies
             self.row_scale = self.scale.expand(self.shape[0], 1).reshape(-1).float().contiguous()
 
     # ---- torch's kernels, on rows (engine/layers/linear.py picks) -------------------------------------------

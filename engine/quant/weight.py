@@ -99,13 +99,16 @@ class GroupedWeight(QuantWeight):
             w = w + bias[:, :, None]
         return w.view(n, k).to(dtype)
 
-    def _values_to_panels(self, device: torch.device) -> None:
-        """The per-group values on `device` as [N/16, G, 16], one row's beside its codes (a per-tensor scale is
-        spelled out per row)."""
+    def _move_to(self, device: torch.device) -> None:
+        """Codes and per-group values to `device`, as they are."""
+        self.codes = self.codes.to(device)
+        self.scale, self.bias, self.scale_d, self.bias_d = (None if v is None else v.to(device) for v in self.values())
+
+    def _values_to_panels(self) -> None:
+        """The per-group values as [N/16, G, 16], one row's beside its codes (a per-tensor scale spelled out)."""
         self.scale = self.scale.expand(self.shape[0], -1)
-        for name in VALUES:
-            if getattr(self, name) is not None:
-                setattr(self, name, rows_to_panels(getattr(self, name).to(device)))
+        self.scale, self.bias, self.scale_d, self.bias_d = (None if v is None else rows_to_panels(v)
+                                                            for v in self.values())
 
     # ---- our kernels, on panels (engine/layers/linear.py picks) ---------------------------------------------
     def _op(self, kind: str):
