@@ -25,7 +25,7 @@ from pagedserve.engine.layers.dispatch import KernelTable
 from pagedserve.engine.quant.int4 import Int4Weight
 from pagedserve.engine.quant.int8 import Int8Weight
 from pagedserve.engine.quant.nf4 import NF4Weight
-from pagedserve.engine.quant.weight import QuantWeight
+from pagedserve.engine.quant.weight import GroupedWeight, QuantWeight
 
 logger = logging.getLogger(__name__)
 
@@ -109,31 +109,27 @@ class Linear(nn.Module):
                        keep_plain: bool = True) -> None:
         """Lay the weight out and fix the routes. `prepack`: make oneDNN's packed copy of a dense weight;
         `keep_plain`: keep the row-major one too (for our GEMV), else drop it."""
-        cpu = device.type == "cpu"
+        ours = table.cpp and device.type == "cpu"
         if self.qweight is not None:
             self.routes = tuple(_quant_routes(self.qweight, self.bias, table, device, dtype, self.row_int8))
-            ops = self.qweight.panel_operands() if table.cpp and cpu else None
-            self._fused = None if ops is None else (ops + ([self.bias] if self.bias is not None else []),
-                                                    table.quant_gemv_max_rows)
-            return
-        if prepack and self.packed is None:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-            if not keep_plain:  # without the row-major copy every row count takes the packed route
-                self.weight.data = self.weight.data.new_empty(0)
-        w, b, packed = self.weight, self.bias, self.packed
-        routes = []
-        plain = w is not None and w.numel() > 0
-        if table.cpp and cpu and plain:
-            routes.append(Route(table.dense_gemv_max_rows, "dense GEMV (ours)",
-                                lambda x: torch.ops.pagedserve.dense_linear(x, w, b)))
-        if packed is not None:
-            routes.append(Route(ANY, "oneDNN, prepacked",
-                                padded(lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""))))
+            ops, fused_rows = self.qweight.panel_operands() if ours else None, table.quant_gemv_max_rows
         else:
-            routes.append(Route(ANY, "F.linear", padded(lambda x: F.linear(x, w, b))))
-        self.routes = tuple(routes)
-        self._fused = ([w] + ([b] if b is not None else []), table.fused_decode_max_rows) if \
-            table.cpp and cpu and plain else None
+            if prepack and self.packed is None:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+                if not keep_plain:  # without the row-major copy every row count takes the packed route
+                    self.weight.data = self.weight.data.new_empty(0)
+            w, b, packed = self.weight, self.bias, self.packed
+            our_gemv = ours and w.numel() > 0  # our kernels, and the row-major weight they read is kept
+            routes = [Route(table.dense_gemv_max_rows, "dense GEMV (ours)",
+                            lambda x: torch.ops.pagedserve.dense_linear(x, w, b))] if our_gemv else []
+            if packed is not None:
+                routes.append(Route(ANY, "oneDNN, prepacked",
+                                    padded(lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""))))
+            else:
+                routes.append(Route(ANY, "F.linear", padded(lambda x: F.linear(x, w, b))))
+            self.routes = tuple(routes)
+            ops, fused_rows = [w] if our_gemv else None, table.fused_decode_max_rows
+        self._fused = None if ops is None else (ops + ([self.bias] if self.bias is not None else []), fused_rows)
 
     def fused_operands(self) -> tuple[list[torch.Tensor], int] | None:
         """This projection's operands for the fused decode layer (engine/csrc/decode_layer.cpp) and the most rows
@@ -163,17 +159,6 @@ def _quant_routes(w: QuantWeight, bias: torch.Tensor | None, table: KernelTable,
     torch_dtype = torch.bfloat16 if table.torch_int_bf16 else dtype
     if isinstance(w, Int8Weight):
         lay_out_int8(w, table, device)
-        if w.layout == "panels":
-            routes = [Route(table.quant_gemv_max_rows, "int8 GEMV (ours)", w.gemv),
-                      _panel_gemm(w, "int8", table, row_int8)]
-        elif w.row_scale is None:  # group-wise scales: no kernel of torch's takes them
-            routes = [Route(ANY, "dequantize + GEMM", padded(w.dequantized_gemm))]
-        else:
-            routes = [Route(ANY, "GEMM on the int8 codes", padded(w.codes_gemm))]
-            if cpu:
-                routes.insert(0, Route(table.torch_int8_max_rows, "torch _weight_int8pack_mm",
-                                       lambda x: w.torch_gemv(x, torch.bfloat16 if x.dtype == torch.bfloat16
-                                                              else torch_dtype)))
     elif isinstance(w, Int4Weight):
         if cpu and table.cpp and w.panels_fit():
             w.lay_out(device, "panels")
@@ -181,20 +166,27 @@ def _quant_routes(w: QuantWeight, bias: torch.Tensor | None, table: KernelTable,
             w.lay_out(device, "torch", torch.bfloat16 if dtype == torch.bfloat16 else torch_dtype)
         else:
             w.lay_out(device, "codes")
-        routes = {"panels": [Route(table.quant_gemv_max_rows, "int4 GEMV (ours)", w.gemv),
-                             _panel_gemm(w, "int4", table, row_int8)],
-                  "torch": [Route(ANY, "torch _weight_int4pack_mm_for_cpu", padded(w.torch_matmul))]}.get(
-            w.layout, [Route(ANY, "dequantize + GEMM", padded(w.dequantized_gemm))])
     else:
         assert isinstance(w, NF4Weight), type(w)
         w.lay_out(device)
+    if w.layout == "panels":
+        routes = [Route(table.quant_gemv_max_rows, f"{w.kind} GEMV (ours)", w.gemv), _panel_gemm(w, table, row_int8)]
+    elif w.layout == "torch":
+        routes = [Route(ANY, "torch _weight_int4pack_mm_for_cpu", padded(w.torch_matmul))]
+    elif w.layout == "rows" and w.row_scale is not None:
+        routes = [Route(ANY, "GEMM on the int8 codes", padded(w.codes_gemm))]
+        if cpu:
+            routes.insert(0, Route(table.torch_int8_max_rows, "torch _weight_int8pack_mm",
+                                   lambda x: w.torch_gemv(x, torch.bfloat16 if x.dtype == torch.bfloat16
+                                                          else torch_dtype)))
+    else:  # nf4, int4 codes, int8 rows with group-wise scales (no kernel of torch's takes them)
         routes = [Route(ANY, "dequantize + GEMM", padded(w.dequantized_gemm))]
     if bias is None:
         return routes
     return [Route(r.max_rows, r.kernel, lambda x, run=r.run: run(x) + bias) for r in routes]
 
 
-def _panel_gemm(w: Int4Weight | Int8Weight, name: str, table: KernelTable, row_int8: bool) -> Route:
+def _panel_gemm(w: GroupedWeight, table: KernelTable, row_int8: bool) -> Route:
     """The many-row route of a weight in our panels: AMX-INT8 where the table says so (K in whole tiles, the matrix
     large enough)."""
     n, k = w.shape
@@ -203,8 +195,8 @@ def _panel_gemm(w: Int4Weight | Int8Weight, name: str, table: KernelTable, row_i
             w.column_max = w.column_absmax()
         # no padding: our kernel keeps nothing per shape
         gated = (lambda x: w.amx_gemm(x, silu_mul=True)) if n % 32 == 0 else None  # gate, up: whole panels
-        return Route(ANY, f"{name} AMX-INT8 GEMM (ours)", w.amx_gemm, gated)
-    return Route(ANY, f"{name} tiled GEMM (ours)", padded(w.gemm))
+        return Route(ANY, f"{w.kind} AMX-INT8 GEMM (ours)", w.amx_gemm, gated)
+    return Route(ANY, f"{w.kind} tiled GEMM (ours)", padded(w.gemm))
 
 
 def _shared_weights(model: nn.Module) -> set[int]:
