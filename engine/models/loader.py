@@ -281,18 +281,17 @@ def _gguf_weights(path: str, cfg: ModelConfig, raw: bool = False) -> Iterator[tu
         if t.name == "rope_freqs.weight":  # read into the config's RoPE scaling, not a parameter
             continue
         name = _hf_name(t.name)
+        permuted = cfg.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name)
+        heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
         if raw and _block_quantized(t):
             rows = np.arange(int(t.shape[1]))
-            if cfg.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
-                rows = _unpermute_llama(rows, cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
             shape = (int(t.shape[1]), int(t.shape[0]))
-            yield name, GGUFBlocks(t.tensor_type.name, np.asarray(t.data)[rows], shape)
+            blocks = np.asarray(t.data)[_unpermute_llama(rows, heads) if permuted else rows]
+            yield name, GGUFBlocks(t.tensor_type.name, blocks, shape)
             continue
         data = gguf.quants.dequantize(t.data, t.tensor_type)
         data = np.array(data, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
-        if cfg.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
-            data = _unpermute_llama(data, cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
-        yield name, torch.from_numpy(data)
+        yield name, torch.from_numpy(_unpermute_llama(data, heads) if permuted else data)
 
 
 # ---- Hugging Face directory ----------------------------------------------------------------------

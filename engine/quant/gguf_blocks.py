@@ -35,7 +35,6 @@ from pagedserve.engine.quant.weight import QuantWeight
 BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 MAPPED = tuple(BLOCK_WEIGHTS)
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # onto int4 storage; the rest onto int8
 
 
 class GGUFBlocks:
@@ -78,32 +77,35 @@ def _high_bits(qh: np.ndarray) -> np.ndarray:
     return np.unpackbits(qh, axis=-1, bitorder="little")
 
 
-def _codes(c: np.ndarray, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.from_numpy(c.reshape(n, k).astype(np.int8 if dtype == torch.int8 else np.uint8))
+def _int4_codes(c: np.ndarray, n: int, k: int) -> torch.Tensor:
+    """Codes 0..15 -> int4 storage's packed [n, k/2]."""
+    return pack_nibbles(torch.from_numpy(c.reshape(n, k).astype(np.uint8)))
+
+
+def _int8_codes(c: np.ndarray, n: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(c.reshape(n, k).astype(np.int8))
 
 
 def _q4_0(b, n, k):
-    return Int4Weight(pack_nibbles(_codes(_nibbles(b[:, 2:]), n, k, torch.uint8)), _half(b[:, :2], n), None,
-                      "Q4_0", 32)
+    return Int4Weight(_int4_codes(_nibbles(b[:, 2:]), n, k), _half(b[:, :2], n), None, "Q4_0", 32)
 
 
 def _q4_1(b, n, k):
-    return Int4Weight(pack_nibbles(_codes(_nibbles(b[:, 4:]), n, k, torch.uint8)), _half(b[:, :2], n),
-                      _half(b[:, 2:4], n), "Q4_1", 32)
+    return Int4Weight(_int4_codes(_nibbles(b[:, 4:]), n, k), _half(b[:, :2], n), _half(b[:, 2:4], n), "Q4_1", 32)
 
 
 def _q5_0(b, n, k):
     q = _nibbles(b[:, 6:]) | (_high_bits(b[:, 2:6]) << 4)
-    return Int8Weight(_codes(q.astype(np.int16) - 16, n, k, torch.int8), _half(b[:, :2], n), "Q5_0")
+    return Int8Weight(_int8_codes(q.astype(np.int16) - 16, n, k), _half(b[:, :2], n), "Q5_0")
 
 
 def _q5_1(b, n, k):
     q = _nibbles(b[:, 8:]) | (_high_bits(b[:, 4:8]) << 4)
-    return Int8Weight(_codes(q, n, k, torch.int8), _half(b[:, :2], n), "Q5_1", bias=_half(b[:, 2:4], n))
+    return Int8Weight(_int8_codes(q, n, k), _half(b[:, :2], n), "Q5_1", bias=_half(b[:, 2:4], n))
 
 
 def _q8_0(b, n, k):
-    return Int8Weight(_codes(b[:, 2:].view(np.int8), n, k, torch.int8), _half(b[:, :2], n), "Q8_0")
+    return Int8Weight(_int8_codes(b[:, 2:].view(np.int8), n, k), _half(b[:, :2], n), "Q8_0")
 
 
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -125,7 +127,7 @@ def _k_values(b: np.ndarray, n: int) -> tuple[torch.Tensor, ...]:
 def _q4_k(b, n, k):
     qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     sc, d, mn, neg_dmin = _k_values(b, n)
-    return Int4Weight(pack_nibbles(_codes(qs & 15, n, k, torch.uint8)), sc, mn, "Q4_K", 32, d, neg_dmin)
+    return Int4Weight(_int4_codes(qs & 15, n, k), sc, mn, "Q4_K", 32, d, neg_dmin)
 
 
 def _q5_k(b, n, k):
@@ -133,7 +135,7 @@ def _q5_k(b, n, k):
     qh = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
     sc, d, mn, neg_dmin = _k_values(b, n)
     q = ql.reshape(-1, 8, 32) | (qh << 4)
-    return Int8Weight(_codes(q, n, k, torch.int8), sc, "Q5_K", bias=mn, scale_d=d, bias_d=neg_dmin)
+    return Int8Weight(_int8_codes(q, n, k), sc, "Q5_K", bias=mn, scale_d=d, bias_d=neg_dmin)
 
 
 def _q6_k(b, n, k):
@@ -141,7 +143,7 @@ def _q6_k(b, n, k):
     qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
     q = (ql.reshape(-1, 8, 32) | (qh.reshape(-1, 8, 32) << 4)).astype(np.int16) - 32
     sc = torch.from_numpy(b[:, 192:208].view(np.int8).reshape(n, -1).copy())
-    return Int8Weight(_codes(q, n, k, torch.int8), sc, "Q6_K", scale_d=_half(b[:, 208:210], n))
+    return Int8Weight(_int8_codes(q, n, k), sc, "Q6_K", scale_d=_half(b[:, 208:210], n))
 
 
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k,
