@@ -41,12 +41,6 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return rows.view(num_blocks * block_size, *cache.shape[2:])[:length]
 
 
-def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """Bottom-right aligned causal mask: query i sits at position kv_len - q_len + i."""
-    rows = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-    return torch.arange(kv_len, device=device)[None, :] <= rows
-
-
 @dataclass(slots=True)
 class TorchAttentionMetadata(AttentionMetadata):
     """The common fields plus the decodes' gathered block ids and mask, shared by every layer of the step."""
@@ -133,7 +127,9 @@ def attend_chunks(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: flo
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pure_causal: bool) -> torch.Tensor:
     """q [n, Hq, D], k/v [c, Hkv, D] -> [n, Hq, D]; causal, bottom-right aligned."""
     n, c = q.shape[0], k.shape[0]
-    mask = None if pure_causal else causal_mask(n, c, q.device)
+    mask = None
+    if not pure_causal:  # query i sits at position c - n + i
+        mask = torch.arange(c, device=q.device)[None, :] <= torch.arange(c - n, c, device=q.device)[:, None]
     # 4-D inputs: with 3-D ones PyTorch falls back to its slow math kernel on the CPU
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],

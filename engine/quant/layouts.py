@@ -56,18 +56,13 @@ def rows_to_panels(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(n // PANEL, PANEL, -1).transpose(1, 2).contiguous()
 
 
-def rows_from_panels(t: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of `rows_to_panels`."""
-    return t.transpose(1, 2).reshape(n, -1)
-
-
 def value_rows(v: torch.Tensor | None, rows: torch.Tensor | slice, n: int, panels: bool) -> torch.Tensor | None:
     """Per-group values [R, G] of `rows` (int64 ids or a slice) from v [N, G], [1, G] (one for every row) or, in
     panels, [N/16, G, 16]. Only the rows asked for: an embedding lookup costs its tokens, not the vocabulary."""
     if v is None:
         return None
     if panels:
-        return rows_from_panels(v, n)[rows] if isinstance(rows, slice) else v[rows // PANEL, :, rows % PANEL]
+        return v.transpose(1, 2).reshape(n, -1)[rows] if isinstance(rows, slice) else v[rows // PANEL, :, rows % PANEL]
     return v.expand(n, -1)[rows] if v.shape[0] == 1 else v[rows]
 
 
