@@ -13,6 +13,7 @@ that format (Q4_0/Q4_1 for int4 at group 32, a Q8_0 embedding for int8 rows).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ import torch
 
 from pagedserve.engine.layers.dispatch import KernelTable
 from pagedserve.engine.layers.linear import Linear
-from pagedserve.engine.models.llama import PROJECTIONS
+from pagedserve.engine.models.llama import PACKED_MODULES, PROJECTIONS
 from pagedserve.engine.quant.formats import FORMATS, default_group_size, quantize
 from pagedserve.engine.quant.gguf_blocks import GGUFBlocks
 from pagedserve.engine.quant.int8 import Int8Weight
@@ -104,18 +105,14 @@ def prepare_modules(model, spec: QuantSpec, quantized: set[str] | None = None) -
     those modules are marked; a tied LM head follows the embedding)."""
     targets = TARGETS + (("lm_head",) if spec.lm_head else ())
 
-    # our module's name -> the checkpoint names it is made of (a fused projection: its pieces)
-    sources = {ours: [] for ours, _, _ in PROJECTIONS.values()}
-    for hf, (ours, _, _) in PROJECTIONS.items():
-        sources[ours].append(hf)
-
     def marked(module_name: str) -> bool:
         if quantized is None:
             return True
         if module_name == "lm_head" and model.config.tie_word_embeddings:
             return "embed_tokens.weight" in quantized
         prefix, _, leaf = module_name.removeprefix("model.").rpartition(".")
-        names = [f"{prefix}.{hf}" if prefix else hf for hf in sources.get(leaf, [leaf])]
+        # the checkpoint names the module is made of (a fused projection: its pieces)
+        names = [f"{prefix}.{hf}" if prefix else hf for hf in PACKED_MODULES.get(leaf, (leaf,))]
         return any(n + ".weight" in quantized for n in names)
 
     for name, module in model.named_modules():
@@ -132,13 +129,13 @@ def quantized_stream(model, weights: Iterable[tuple[str, torch.Tensor | GGUFBloc
     tied = model.config.tie_word_embeddings
     auto = spec.format == "auto"
     head_spec = QuantSpec(spec.head_format, spec.group_size)
-    stats = {"direct": 0, "quantized": 0}
-    types: dict[str, int] = {}
+    stats: Counter[str] = Counter()  # tensors taken from GGUF blocks as they are ("direct"), and quantized
+    types: Counter[str] = Counter()
 
     def to_quant(t, embedding: bool = False, head: bool = False) -> QuantWeight:
         qw = quantize_tensor(t, head_spec if head else spec, group, embedding)
         stats["direct" if getattr(qw, "from_blocks", False) else "quantized"] += 1
-        types[qw.format] = types.get(qw.format, 0) + 1
+        types[qw.format] += 1
         return qw
 
     for name, t in weights:
