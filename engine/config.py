@@ -284,10 +284,8 @@ def parse_cpu_bind(text: str, ranks: int) -> list[list[int]]:
 
 def make_config(**kwargs: Any) -> EngineConfig:
     """Flat keyword arguments (as on the CLI) -> EngineConfig. Unknown names are an error."""
-    cache_keys = {"block_size", "num_blocks", "memory_gib", "enable_prefix_caching"}
-    sched_keys = {"max_num_seqs", "max_num_batched_tokens", "policy", "max_step_ms"}
-    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in cache_keys}
-    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_keys}
+    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in CacheConfig.__dataclass_fields__}
+    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
     engine_keys = set(EngineConfig.__dataclass_fields__) - {"cache", "scheduler"}
     unknown = set(kwargs) - engine_keys
     if unknown:
