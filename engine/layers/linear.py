@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -201,19 +202,15 @@ def _panel_gemm(w: GroupedWeight, table: KernelTable, row_int8: bool) -> Route:
 
 def _shared_weights(model: nn.Module) -> set[int]:
     """ids of parameters held by more than one module (a tied LM head's weight is the embedding's)."""
-    seen: dict[int, int] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            seen[id(p)] = seen.get(id(p), 0) + 1
-    return {k for k, n in seen.items() if n > 1}
+    holders = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+    return {k for k, n in holders.items() if n > 1}
 
 
-def plain_copy_fits(model: nn.Module, table: KernelTable) -> bool:
+def plain_copy_fits(model: nn.Module, table: KernelTable, shared: set[int]) -> bool:
     """Whether keeping each projection's row-major weight beside its prepacked copy (for our GEMV at a few rows)
     costs at most `plain_copy_max_fraction` of physical memory (a tied LM head's is the embedding's anyway)."""
     if not table.cpp:  # no GEMV to read the copy
         return False
-    shared = _shared_weights(model)
     extra = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
                 if isinstance(m, Linear) and m.weight is not None and id(m.weight) not in shared)
     try:
@@ -226,8 +223,8 @@ def plain_copy_fits(model: nn.Module, table: KernelTable) -> bool:
 def select_kernels(model: nn.Module, table: KernelTable, device: torch.device, dtype: torch.dtype) -> None:
     """Fix every layer's kernels for this table (after the weights are loaded, before the first step)."""
     prepack = device.type == "cpu" and table.prepacks(dtype)
-    keep_plain = prepack and plain_copy_fits(model, table)
     shared = _shared_weights(model)
+    keep_plain = prepack and plain_copy_fits(model, table, shared)
     for m in model.modules():
         if isinstance(m, Linear):
             tied = m.weight is not None and id(m.weight) in shared
