@@ -75,15 +75,14 @@ class Int8Weight(GroupedWeight):
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows (an embedding lookup)."""
-        if self.layout == "panels" and self.code_bits == 6:  # the rows' panels, decoded
-            p, r = ids // PANEL, ids % PANEL
-            q = int6_from_panels(self.codes[p]).view(len(ids), PANEL, -1)[torch.arange(len(ids)), r]
-        elif self.layout == "panels":  # row n's 4-byte pieces sit at 4 (n % 16) of every 64-byte step of panel n // 16
-            p, r = ids // PANEL, ids % PANEL
-            q = self.codes.view(-1, self.shape[1] // 4, PANEL, 4)[p, :, r].reshape(len(ids), -1)
-        else:
-            q = self.codes[ids]
-        return self._dense(q, ids, dtype)
+        if self.layout != "panels":
+            return self._dense(self.codes[ids], ids, dtype)
+        p, r = ids // PANEL, ids % PANEL
+        if self.code_bits == 6:  # the rows' panels, decoded
+            codes = int6_from_panels(self.codes[p]).view(len(ids), PANEL, -1)[torch.arange(len(ids)), r]
+        else:  # row n's 4-byte pieces sit at 4 (n % 16) of every 64-byte step of panel n // 16
+            codes = self.codes.view(-1, self.shape[1] // 4, PANEL, 4)[p, :, r].reshape(len(ids), -1)
+        return self._dense(codes, ids, dtype)
 
     def panels_fit(self) -> bool:
         """Whether our kernels' layout can hold it (any scale layout: per row, per 16 or 32k, per tensor)."""
