@@ -22,6 +22,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,15 +82,8 @@ class PrefixAffinity:
 
     def match(self, replica: str, blocks: Sequence[bytes]) -> int:
         """Leading blocks of the chain this replica was sent (a chain: the first miss ends the prefix)."""
-        served = self._served.get(replica)
-        if not served:
-            return 0
-        n = 0
-        for b in blocks:
-            if b not in served:
-                break
-            n += 1
-        return n
+        served = self._served.get(replica, {})
+        return sum(1 for _ in takewhile(served.__contains__, blocks))
 
     def record(self, replica: str, blocks: Sequence[bytes]) -> None:
         """The replica was sent these blocks: it will hold them until its cache evicts them."""
@@ -113,23 +107,19 @@ class PrefixAffinity:
         replica appears once: full and avoided ones last, so their own admission can still answer (a 429)."""
         key = key or RoutingKey()
         ok = [x for x in loads if x.can_admit and x.replica not in key.avoid]
-        rest = [x.replica for x in loads if not x.can_admit and x.replica not in key.avoid]
-        last = [[x.replica for x in loads if x.replica in key.avoid]]
-        tail = [t for t in ([rest] + last) if t]
-        if not ok:
-            return tail
+        first = self._first_tier(ok, key.blocks) if ok else []
+        tiers = [first, [x.replica for x in ok if x.replica not in first],
+                 [x.replica for x in loads if not x.can_admit and x.replica not in key.avoid],
+                 [x.replica for x in loads if x.replica in key.avoid]]
+        return [t for t in tiers if t]
+
+    def _first_tier(self, ok: Sequence[ReplicaLoad], blocks: Sequence[bytes]) -> list[str]:
+        """The least loaded if load is imbalanced, else the longest useful match, else two at random."""
         if len(ok) > 1 and self.imbalanced(ok):
             lo = min(x.load for x in ok)
-            first = [x.replica for x in ok if x.load == lo]
-            return [first, [x.replica for x in ok if x.replica not in first]] + tail
-        if key.blocks:
-            matches = {x.replica: self.match(x.replica, key.blocks) for x in ok}
-            best = max(matches.values())
-            if best and best >= self.min_match * len(key.blocks):
-                first = [r for r, m in matches.items() if m == best]
-                others = [x.replica for x in ok if x.replica not in first]
-                return [first] + ([others] if others else []) + tail
-        ids = [x.replica for x in ok]
-        two = self._rng.sample(ids, min(2, len(ids)))
-        others = [r for r in ids if r not in two]
-        return [two] + ([others] if others else []) + tail
+            return [x.replica for x in ok if x.load == lo]
+        matches = {x.replica: self.match(x.replica, blocks) for x in ok}
+        best = max(matches.values())
+        if best and best >= self.min_match * len(blocks):
+            return [r for r, m in matches.items() if m == best]
+        return self._rng.sample(list(matches), min(2, len(matches)))
