@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from pagedserve.engine.async_engine import AdmissionLimits, EngineDeadError, OverloadedError
-from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.async_engine import AdmissionLimits, AsyncEngine, EngineDeadError, OverloadedError
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.llm_engine import EngineStats
 from pagedserve.engine.output_processor import RequestOutput
@@ -63,8 +61,7 @@ STATS_SOURCES: dict[str, Callable[[], dict[str, Mapping]]] = {}
 
 
 def published_stats(deployment: str) -> dict[str, Mapping]:
-    source = STATS_SOURCES.get(deployment)
-    return source() if source is not None else {}
+    return STATS_SOURCES.get(deployment, dict)()  # {} until that router registers
 
 
 Item = Admitted | Refused | RequestOutput
@@ -117,12 +114,10 @@ class Fleet:
         rate = sum(x.drain_rate for x in self.loads() if x.drain_rate)
         return self.num_waiting / rate if rate else None
 
-    def retry_after(self, wait: float | None = None) -> float:
-        """Whole seconds in [1, 60], as AsyncEngine.retry_after but over the fleet."""
-        wait = self.expected_wait() if wait is None else wait
-        if wait is None:
-            return float(min(60, max(1, self.num_waiting // 8 + 1)))
-        return float(min(60, max(1, math.ceil(wait))))
+    # AsyncEngine's own rules over the fleet's numbers: retry_after reads expected_wait and num_waiting, validate
+    # reads engine (the InputProcessor) and limits
+    retry_after = AsyncEngine.retry_after
+    validate = AsyncEngine.validate
 
     # ---- admission and submission ----------------------------------------------------------------------
     def reserve(self) -> None:
@@ -138,22 +133,12 @@ class Fleet:
     def release(self) -> None:
         self._reserved -= 1
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.validate(prompt_token_ids, params)
-        limit = self.limits.max_queued_tokens
-        if limit is not None and len(prompt_token_ids) > limit:
-            raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens, more than the {limit} "
-                                      "allowed to wait (--max-queued-tokens)", "prompt")
-
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                owner: str | None = None) -> FleetStream:
         """`owner` (the engine view's per-key ids) is the single server's: the fleet serves no engine view."""
         self._reserved -= 1
         key = RoutingKey(block_chain(prompt_token_ids, self.block_size, self.secret, params.cache_salt))
         return FleetStream(self, request_id, prompt_token_ids, params, key)
-
-    def refused_everywhere(self, message: str, reason: str) -> OverloadedError:
-        return OverloadedError(f"{message} (every replica refused)", self.retry_after(), reason)
 
     def shutdown(self) -> None:
         self._closed = True
@@ -176,9 +161,7 @@ class FleetStream:
     async def _pump(self, ids: list[int], params: SamplingParams, key: RoutingKey) -> None:
         try:
             await self._run(ids, params, key)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
             if not self._first.is_set():
                 self._error = e
             self._queue.put_nowait(e)
@@ -189,7 +172,7 @@ class FleetStream:
         avoid: list[str] = []
         retried = False  # a replica's death before the first output is retried once
         while True:
-            refused, started = None, False
+            refused = None
             try:
                 async with aclosing(self.fleet.dispatch(self.request_id, ids, params,
                                                         RoutingKey(key.blocks, tuple(avoid)))) as items:
@@ -200,7 +183,6 @@ class FleetStream:
                             refused = item
                             break
                         else:
-                            started = True
                             self._first.set()
                             self._queue.put_nowait(item)
                             if self.fleet.on_outputs is not None:
@@ -210,7 +192,7 @@ class FleetStream:
                 if refused is None:  # the replica's generator ended without a finished output
                     raise ReplicaLostError(f"replica {self.replica} ended request {self.request_id} early")
             except ReplicaLostError:
-                if started or retried:
+                if self._first.is_set() or retried:
                     raise
                 retried = True
                 logger.warning("request %s: replica %s lost before its first output; retrying elsewhere",
@@ -222,7 +204,8 @@ class FleetStream:
             avoid.append(refused.replica)
             n = max(1, len(self.fleet.replica_stats()))
             if len(set(avoid)) >= n or len(avoid) > n:  # bounded even if the router keeps picking a refuser
-                raise self.fleet.refused_everywhere(refused.message, refused.reason)
+                raise OverloadedError(f"{refused.message} (every replica refused)", self.fleet.retry_after(),
+                                      refused.reason)
 
     # ---- RequestStream's surface -------------------------------------------------------------------------
     def __aiter__(self) -> FleetStream:
@@ -238,10 +221,6 @@ class FleetStream:
         if item.finished:
             self.finished = True
         return item
-
-    @property
-    def started(self) -> bool:
-        return self._first.is_set()
 
     async def wait_started(self) -> None:
         """Until the first output; raises what ended the request before one (a refusal: OverloadedError)."""
