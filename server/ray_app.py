@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -56,17 +57,10 @@ class EngineReplica:
         from pagedserve.engine.llm_engine import LLMEngine
 
         torch.set_num_threads(threads)
-        self.limits = limits
         self.engine = LLMEngine(engine_config)
         self.aeng = AsyncEngine(self.engine, limits)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._started = False
-
-    def _live(self) -> AsyncEngine:
-        if not self._started:  # the engine thread hands outputs to the loop Ray runs this replica's calls on
-            self._started = True
-            self.aeng.start(asyncio.get_running_loop())
-        return self.aeng
 
     async def describe(self) -> ReplicaInfo:
         e = self.engine
@@ -75,10 +69,12 @@ class EngineReplica:
     async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
                        key: RoutingKey | None = None) -> AsyncIterator[Item]:
         """Admitted, then the engine's outputs; or Refused alone. `key` is the router's, unused here."""
-        aeng = self._live()
+        if not self._started:  # the engine thread hands outputs to the loop Ray runs this replica's calls on
+            self._started = True
+            self.aeng.start(asyncio.get_running_loop())
         try:
-            aeng.reserve()
-            stream = aeng.submit(request_id, ids, params)  # consumes the reservation, even when it raises
+            self.aeng.reserve()
+            stream = self.aeng.submit(request_id, ids, params)  # consumes the reservation, even when it raises
         except OverloadedError as e:
             yield Refused(self.replica_id, str(e), e.reason)
             return
@@ -94,7 +90,7 @@ class EngineReplica:
         return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
                 "num_preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits, "drain_rate": self.aeng.drain_rate(),
-                "max_waiting_requests": self.limits.max_waiting_requests}
+                "max_waiting_requests": self.aeng.limits.max_waiting_requests}
 
     async def check_health(self) -> None:
         if self._started and not self.aeng.alive:  # Ray replaces a replica whose engine loop died
@@ -171,9 +167,9 @@ def app_builder(args: dict):
     from pagedserve.engine.models.resolver import resolve_model
 
     args = dict(args)
-    rep = ReplicaConfig(replicas=int(args.pop("replicas", 1)), threads=int(args["threads"]) if "threads" in args
-                        else None, router=args.pop("router", "prefix"))
-    args.pop("threads", None)
+    threads = args.pop("threads", None)
+    rep = ReplicaConfig(replicas=int(args.pop("replicas", 1)), threads=None if threads is None else int(threads),
+                        router=args.pop("router", "prefix"))
     name = args.pop("served_model_name", None)
     files = resolve_model(args.get("model"), args.get("revision"), args.get("gguf_file"))
     config = make_config(**{**args, "model": files.path})
@@ -189,16 +185,12 @@ def run(engine_config: EngineConfig, server: ServerConfig, replicas: ReplicaConf
                   blocking=False)
         print(f"pagedserve: serving {server.served_model_name!r} with {replicas.replicas} replicas on "
               f"http://{server.host}:{server.port}/v1 (Ray Serve)", flush=True)
-        asyncio.run(_forever())
+        threading.Event().wait()  # until Ctrl-C
     except KeyboardInterrupt:
         pass
     finally:
         serve.shutdown()
         ray.shutdown()
-
-
-async def _forever() -> None:
-    await asyncio.Event().wait()
 
 
 __all__ = ["EngineReplica", "Ingress", "ReplicaInfo", "app_builder", "build_app", "run"]
