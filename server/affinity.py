@@ -53,7 +53,6 @@ class ReplicaLoad:
     replica: str
     num_running: int = 0
     num_waiting: int = 0
-    kv_cache_usage: float = 0.0
     can_admit: bool = True  # below its own admission limit
     drain_rate: float | None = None  # requests started per second while a queue drains (None: not measured)
 
@@ -67,8 +66,8 @@ class ReplicaLoad:
         s = stats or {}
         limit = s.get("max_waiting_requests")
         waiting = int(s.get("num_waiting", 0))
-        return cls(replica, int(s.get("num_running", 0)), waiting, float(s.get("kv_cache_usage", 0.0)),
-                   limit is None or waiting < limit, s.get("drain_rate"))
+        return cls(replica, int(s.get("num_running", 0)), waiting, limit is None or waiting < limit,
+                   s.get("drain_rate"))
 
 
 class PrefixAffinity:
