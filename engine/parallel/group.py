@@ -21,7 +21,8 @@ from pagedserve.engine.parallel.shm_all_reduce import ShmAllReduce, unlink_segme
 
 # A collective waits at most this long for a peer: the bound on detecting a hung (not dead) rank. A dead rank's
 # sockets close, so its peers fail at once; this backstop covers a stopped or deadlocked one.
-DEFAULT_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_TP_TIMEOUT_S", "60"))
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_TP_TIMEOUT_S", "60"))
+CONNECT_TIMEOUT_S = 300.0  # ranks of other nodes may be started a while after node 0 (or before it)
 
 
 def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
@@ -51,7 +52,6 @@ class Shares:
     mlp_size: int
     vocab_start: int
     vocab_size: int  # the last rank's may be smaller (ceil split)
-    vocab_per_rank: int
 
 
 class TensorParallel:
@@ -63,12 +63,11 @@ class TensorParallel:
 
     @classmethod
     def connect(cls, rank: int, size: int, host: str, port: int, device: torch.device,
-                timeout_s: float = DEFAULT_TIMEOUT_S, connect_timeout_s: float = 300.0,
                 shm_name: str | None = None) -> TensorParallel:
         """Join the group: rank 0 hosts the store at host:port, the others connect to it. `shm_name`: a segment
         from `shm_all_reduce.create_segment` that every rank (all on this host) maps for its all-reduces."""
-        store = dist.TCPStore(host, port, size, rank == 0, timeout=datetime.timedelta(seconds=connect_timeout_s))
-        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, size, rank == 0, timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
@@ -78,7 +77,7 @@ class TensorParallel:
             group = dist.ProcessGroupGloo(store, rank, size, timeout)
         tp = cls(rank, size, group, device)
         if shm_name is not None:
-            shm = ShmAllReduce(shm_name, rank, size, timeout_s)
+            shm = ShmAllReduce(shm_name, rank, size, COLLECTIVE_TIMEOUT_S)
             tp.all_reduce(torch.zeros(1, device=device))  # a barrier: every rank has mapped the segment...
             if rank == 0:
                 unlink_segment(shm_name)  # ...so its name can go: nothing is left in /dev/shm whoever dies later
@@ -122,7 +121,7 @@ class TensorParallel:
         mlp = cfg.intermediate_size // n
         per = -(-cfg.vocab_size // n)
         v0 = min(r * per, cfg.vocab_size)
-        return Shares(r * q, q, kv_start, kv, r * mlp, mlp, v0, min(per, cfg.vocab_size - v0), per)
+        return Shares(r * q, q, kv_start, kv, r * mlp, mlp, v0, min(per, cfg.vocab_size - v0))
 
     def __repr__(self) -> str:
         return f"TensorParallel(rank={self.rank}, size={self.size}, device={self.device}, shm={self.shm is not None})"

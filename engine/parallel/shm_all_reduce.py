@@ -65,7 +65,7 @@ def create_segment(size: int, slot_bytes: int = SLOT_BYTES) -> str:
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.posix_fallocate(fd, 0, _header_bytes(size) + 2 * size * slot_bytes)
+        os.posix_fallocate(fd, 0, size * LINE + 2 * size * slot_bytes)
     except BaseException:
         os.unlink(path)
         raise
@@ -83,10 +83,6 @@ def unlink_segment(name: str) -> None:
     except FileNotFoundError:
         return
     resource_tracker.unregister("/" + name, "shared_memory")
-
-
-def _header_bytes(size: int) -> int:
-    return size * LINE
 
 
 def _alive(pid: int) -> bool:
@@ -115,7 +111,7 @@ class ShmAllReduce:
         finally:
             os.close(fd)
         self.name, self.rank, self.size, self.timeout_s = name, rank, size, timeout_s
-        header = _header_bytes(size)
+        header = size * LINE
         self.slot_bytes = (total - header) // (2 * size)
         words = np.frombuffer(self._map, dtype=np.int64, count=header // 8)
         self._seqs = words[0::LINE // 8]  # rank r's last published call

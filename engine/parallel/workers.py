@@ -32,12 +32,11 @@ import torch
 
 from pagedserve.engine.config import EngineConfig, ModelConfig, parse_cpu_bind, parse_dist_init_addr, resolve_dtype
 from pagedserve.engine.parallel import shm_all_reduce
-from pagedserve.engine.parallel.group import TensorParallel
+from pagedserve.engine.parallel.group import CONNECT_TIMEOUT_S, TensorParallel
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT_S = 30.0
-CONNECT_TIMEOUT_S = 300.0  # ranks of other nodes may be started a while after node 0 (or before it)
+HANDSHAKE_TIMEOUT_S = 30
 READY_TIMEOUT_S = 1800.0  # loading a large checkpoint on every rank takes a while; a dead worker ends the wait early
 CLOSE_TIMEOUT_S = 5.0
 
@@ -92,10 +91,10 @@ def _authkey() -> bytes:
     return os.environ.get("PAGEDSERVE_DIST_KEY", "pagedserve").encode()
 
 
-def _dial(host: str, port: int, rank: int, size: int, timeout_s: float) -> Connection:
+def _dial(host: str, port: int, rank: int, size: int) -> Connection:
     """A remote rank's step channel: connect to rank 0 (retrying while it is not up yet), authenticate both ways,
     and say which rank this is."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
     while True:
         try:
             sock = socket.create_connection((host, port), timeout=10)
@@ -112,16 +111,16 @@ def _dial(host: str, port: int, rank: int, size: int, timeout_s: float) -> Conne
     return conn
 
 
-def _accept(host: str, port: int, ranks: range, size: int, timeout_s: float) -> dict[int, Connection]:
+def _accept(host: str, port: int, ranks: range, size: int) -> dict[int, Connection]:
     """Rank 0's side of `_dial`: one connection from each remote rank in `ranks`, by rank."""
     conns: dict = {}
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
     with socket.create_server((host, port)) as server:
         while len(conns) < len(ranks):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"tensor-parallel ranks {sorted(set(ranks) - set(conns))} did not connect to "
-                                   f"{host}:{port} within {timeout_s:.0f} s: start them with --node-rank")
+                                   f"{host}:{port} within {CONNECT_TIMEOUT_S:.0f} s: start them with --node-rank")
             server.settimeout(left)
             try:
                 sock, _ = server.accept()
@@ -151,10 +150,9 @@ def _accept(host: str, port: int, ranks: range, size: int, timeout_s: float) -> 
     return conns
 
 
-def _receive_timeout(sock: socket.socket, seconds: float) -> None:
+def _receive_timeout(sock: socket.socket, seconds: int) -> None:
     """SO_RCVTIMEO (0: none), which a blocking read of the raw fd honours, unlike socket.settimeout."""
-    sec = int(seconds)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, int((seconds - sec) * 1e6)))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, 0))
 
 
 def free_port(host: str) -> int:
@@ -169,7 +167,7 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection | 
     try:
         expected = None
         if conn is None:  # another node's rank: rank 0's engine options win, so every rank agrees on every shape
-            conn = _dial(spec.host, spec.port + 1, spec.rank, spec.size, CONNECT_TIMEOUT_S)
+            conn = _dial(spec.host, spec.port + 1, spec.rank, spec.size)
             setup: Setup = conn.recv()
             spec = dataclasses.replace(spec, config=setup.config, dtype=setup.dtype, max_len=setup.max_len)
             expected = setup.model_config
@@ -243,7 +241,7 @@ class WorkerGroup:
             if nnodes > 1:
                 from pagedserve.engine.models.loader import load_config
 
-                remote = _accept(host, port + 1, range(per_node, size), size, CONNECT_TIMEOUT_S)
+                remote = _accept(host, port + 1, range(per_node, size), size)
                 setup = Setup(config, dtype, max_len, load_config(model_path))
                 for conn in remote.values():
                     conn.send(setup)
