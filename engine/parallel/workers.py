@@ -68,16 +68,18 @@ class WorkerSpec:
     host: str
     port: int
     device: torch.device
-    cpus: list[int] | None
-    threads: int
     shm_name: str | None  # the shared-memory all-reduce's segment (None: gloo only)
 
 
-def pin(cpus: list[int] | None, threads: int) -> None:
-    """This process on `cpus` (where given) with `threads` intra-op threads."""
+def pin(config: EngineConfig, rank: int) -> None:
+    """This process, rank `rank`, on its CPUs in --cpu-bind (where given) with one intra-op thread per CPU; unbound,
+    with an even share of this node's cores."""
+    per_node = config.tensor_parallel_size // config.nnodes
+    cpus = parse_cpu_bind(config.cpu_bind, per_node)[rank % per_node] if config.cpu_bind else None
     if cpus is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(threads)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(len(cpus) if cpus else max(1, cores // per_node))
 
 
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
@@ -165,13 +167,13 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection | 
     """A worker rank: join the group, build this rank's shard, then run steps until rank 0 says stop or is gone.
     `conn`: the pipe from rank 0 on its node; None for a remote rank, which dials rank 0 itself."""
     try:
+        pin(spec.config, spec.rank)  # by this node's --cpu-bind
         expected = None
         if conn is None:  # another node's rank: rank 0's engine options win, so every rank agrees on every shape
             conn = _dial(spec.host, spec.port + 1, spec.rank, spec.size)
             setup: Setup = conn.recv()
             spec = dataclasses.replace(spec, config=setup.config, dtype=setup.dtype, max_len=setup.max_len)
             expected = setup.model_config
-        pin(spec.cpus, spec.threads)
         from pagedserve.engine import allocator
         from pagedserve.engine.layers.dispatch import kernel_table
         from pagedserve.engine.model_runner import ModelRunner
@@ -216,10 +218,12 @@ class WorkerGroup:
     """Rank 0's side: the worker ranks, one channel each (`conns[i]` is rank i + 1's): a pipe to a process of this
     node (`procs[i]`), or a TCP connection from a rank on another node (`procs[i]` is None)."""
 
-    def __init__(self, procs: list, conns: list, shm_name: str | None, per_node: int) -> None:
-        self.procs, self.conns, self.per_node = procs, conns, per_node
+    def __init__(self, shm_name: str | None, per_node: int) -> None:
+        self.procs: list = []
+        self.conns: list[Connection] = []
+        self.per_node = per_node
         self.error: WorkerFailedError | None = None  # set once a worker is found dead; every later call raises it
-        self._finalizer = weakref.finalize(self, _shut_down, procs, conns, shm_name)
+        self._finalizer = weakref.finalize(self, _shut_down, self.procs, self.conns, shm_name)
 
     @classmethod
     def start(cls, config: EngineConfig, model_path: str, dtype: torch.dtype, max_len: int,
@@ -234,7 +238,7 @@ class WorkerGroup:
             host = "127.0.0.1"
             port = free_port(host)
         shm_name = _shm_segment(size, device) if nnodes == 1 else None  # shared memory spans one host only
-        group = cls([], [], shm_name, per_node)  # first: its finalizer stops what has started if anything fails
+        group = cls(shm_name, per_node)  # first: its finalizer stops what has started if anything fails
         try:
             group.procs += spawn_ranks(config, model_path, dtype, max_len, device, range(1, per_node), host, port,
                                        shm_name, group.conns)
@@ -247,8 +251,7 @@ class WorkerGroup:
                     conn.send(setup)
                 group.procs += [None] * len(remote)
                 group.conns += [remote[r] for r in range(per_node, size)]
-            binds = parse_cpu_bind(config.cpu_bind, per_node) if config.cpu_bind else [None]
-            pin(binds[0], len(binds[0]) if binds[0] else max(1, _cores() // per_node))
+            pin(config, 0)
             tp = TensorParallel.connect(0, size, host, port, rank_device(device, 0), shm_name=shm_name)
         except BaseException:
             group.close()
@@ -260,23 +263,21 @@ class WorkerGroup:
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Until every worker has built its shard; raises WorkerFailedError if one fails or dies first."""
-        pending = dict(enumerate(self.conns))
+        pending = {conn: i for i, conn in enumerate(self.conns)}
         deadline = time.monotonic() + timeout
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise self._fail(f"tensor-parallel ranks {[i + 1 for i in pending]} not ready after {timeout:.0f} s")
-            ready = multiprocessing.connection.wait(
-                list(pending.values()) + [self.procs[i].sentinel for i in pending if self.procs[i] is not None], left)
-            for i, conn in list(pending.items()):
-                if conn in ready or (self.procs[i] is not None and self.procs[i].sentinel in ready):
-                    try:
-                        kind, text = conn.recv()
-                    except (EOFError, OSError):
-                        kind, text = "died", None
-                    if kind != "ready":
-                        raise self._fail(self._describe(i, text))
-                    del pending[i]
+                raise self._fail(f"tensor-parallel ranks {[i + 1 for i in pending.values()]} not ready after "
+                                 f"{timeout:.0f} s")
+            for conn in multiprocessing.connection.wait(list(pending), left):  # a dead worker's channel: EOF
+                try:
+                    kind, text = conn.recv()
+                except (EOFError, OSError):
+                    kind, text = "died", None
+                if kind != "ready":
+                    raise self._fail(self._describe(pending[conn], text))
+                del pending[conn]
 
     def send(self, message) -> None:
         """One message to every worker (pickled once)."""
@@ -289,13 +290,13 @@ class WorkerGroup:
         except OSError as e:  # a worker's pipe closed: it died
             self.raise_failure(e)
 
-    def check(self) -> None:
+    def check(self, cause: BaseException | None = None) -> None:
         """Raise WorkerFailedError if any worker has died (cheap: one non-blocking wait per worker)."""
         if self.error is not None:
-            raise self.error
+            raise self.error from cause
         for i in range(len(self.conns)):
             if self._dead(i):
-                raise self._fail(self._describe(i))
+                raise self._fail(self._describe(i)) from cause
 
     def _dead(self, i: int) -> bool:
         proc = self.procs[i]
@@ -308,14 +309,10 @@ class WorkerGroup:
 
     def raise_failure(self, cause: BaseException, grace_s: float = 5.0) -> None:
         """After a step failed with `cause`: raise WorkerFailedError naming the dead rank if a worker died (it may
-        take a moment to exit after its collective failed), else return and let the caller re-raise `cause`."""
-        if self.error is not None:
-            raise self.error from cause
+        take a moment to exit after its collective failed), else one saying that every worker is alive."""
         deadline = time.monotonic() + grace_s
         while True:
-            for i in range(len(self.conns)):
-                if self._dead(i):
-                    raise self._fail(self._describe(i)) from cause
+            self.check(cause)
             if time.monotonic() >= deadline:
                 raise self._fail(f"a tensor-parallel collective failed with every worker alive: {cause}") from cause
             time.sleep(0.05)
@@ -349,23 +346,16 @@ class WorkerGroup:
         self._finalizer()
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def spawn_ranks(config: EngineConfig, model_path: str, dtype: torch.dtype, max_len: int, device: torch.device,
                 ranks: range, host: str, port: int, shm_name: str | None, conns: list | None) -> list:
     """Start worker processes for `ranks` of this node. `conns` (node 0): a pipe to each is appended there; None
-    (another node): each dials rank 0 at host:port + 1 itself. Each gets this node's CPU list for its place."""
+    (another node): each dials rank 0 at host:port + 1 itself."""
     size, per_node = config.tensor_parallel_size, config.tensor_parallel_size // config.nnodes
-    binds = parse_cpu_bind(config.cpu_bind, per_node) if config.cpu_bind else [None] * per_node
     ctx = multiprocessing.get_context("spawn")
     procs = []
     for rank in ranks:
-        local = rank % per_node
-        threads = len(binds[local]) if binds[local] else max(1, _cores() // per_node)
-        spec = WorkerSpec(config, model_path, dtype, max_len, rank, size, host, port, rank_device(device, local),
-                          binds[local], threads, shm_name)
+        spec = WorkerSpec(config, model_path, dtype, max_len, rank, size, host, port,
+                          rank_device(device, rank % per_node), shm_name)
         child = None
         if conns is not None:
             parent, child = ctx.Pipe()
