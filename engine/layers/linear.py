@@ -113,24 +113,25 @@ class Linear(nn.Module):
         ours = table.cpp and device.type == "cpu"
         if self.qweight is not None:
             self.routes = tuple(_quant_routes(self.qweight, self.bias, table, device, dtype, self.row_int8))
-            ops, fused_rows = self.qweight.panel_operands() if ours else None, table.quant_gemv_max_rows
+            ops = self.qweight.panel_operands() if ours else None
+            self._fused = None if ops is None else (ops + ([self.bias] if self.bias is not None else []),
+                                                    table.quant_gemv_max_rows)
+            return
+        if prepack and self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+            if not keep_plain:  # without the row-major copy every row count takes the packed route
+                self.weight.data = self.weight.data.new_empty(0)
+        w, b, packed = self.weight, self.bias, self.packed
+        our_gemv = ours and w.numel() > 0  # our kernels, and the row-major weight they read is kept
+        routes = [Route(table.dense_gemv_max_rows, "dense GEMV (ours)",
+                        lambda x: torch.ops.pagedserve.dense_linear(x, w, b))] if our_gemv else []
+        if packed is not None:
+            routes.append(Route(ANY, "oneDNN, prepacked",
+                                padded(lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""))))
         else:
-            if prepack and self.packed is None:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-                if not keep_plain:  # without the row-major copy every row count takes the packed route
-                    self.weight.data = self.weight.data.new_empty(0)
-            w, b, packed = self.weight, self.bias, self.packed
-            our_gemv = ours and w.numel() > 0  # our kernels, and the row-major weight they read is kept
-            routes = [Route(table.dense_gemv_max_rows, "dense GEMV (ours)",
-                            lambda x: torch.ops.pagedserve.dense_linear(x, w, b))] if our_gemv else []
-            if packed is not None:
-                routes.append(Route(ANY, "oneDNN, prepacked",
-                                    padded(lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""))))
-            else:
-                routes.append(Route(ANY, "F.linear", padded(lambda x: F.linear(x, w, b))))
-            self.routes = tuple(routes)
-            ops, fused_rows = [w] if our_gemv else None, table.fused_decode_max_rows
-        self._fused = None if ops is None else (ops + ([self.bias] if self.bias is not None else []), fused_rows)
+            routes.append(Route(ANY, "F.linear", padded(lambda x: F.linear(x, w, b))))
+        self.routes = tuple(routes)
+        self._fused = ([w] + ([b] if b is not None else []), table.fused_decode_max_rows) if our_gemv else None
 
     def fused_operands(self) -> tuple[list[torch.Tensor], int] | None:
         """This projection's operands for the fused decode layer (engine/csrc/decode_layer.cpp) and the most rows
