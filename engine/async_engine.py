@@ -66,7 +66,34 @@ class _Stream:
     first: asyncio.Event = field(default_factory=asyncio.Event)  # set by the first output (or the engine's death)
 
 
-class AsyncEngine:
+class AdmissionRules:
+    """The answers an AsyncEngine and a fleet of them (server/fleet.py) give alike, from what each has: `engine`
+    (what validates a request), `limits`, `num_waiting` and `expected_wait()`."""
+
+    engine: LLMEngine  # a fleet's: an InputProcessor, which validates alike
+    limits: AdmissionLimits
+    num_waiting: int
+
+    def expected_wait(self) -> float | None:
+        raise NotImplementedError
+
+    def retry_after(self, wait: float | None = None) -> float:
+        """Whole seconds in [1, 60] until a retry would likely be admitted."""
+        wait = self.expected_wait() if wait is None else wait
+        if wait is None:
+            return float(min(60, max(1, self.num_waiting // 8 + 1)))
+        return float(min(60, max(1, math.ceil(wait))))
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The engine's checks, plus the admission bounds a request could never pass (400, not 429)."""
+        self.engine.validate(prompt_token_ids, params)
+        limit = self.limits.max_queued_tokens
+        if limit is not None and len(prompt_token_ids) > limit:
+            raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens, more than the {limit} "
+                                      "allowed to wait (--max-queued-tokens)", "prompt")
+
+
+class AsyncEngine(AdmissionRules):
     """`generate` is an async iterator of RequestOutputs; leaving it early aborts the request."""
 
     def __init__(self, engine: LLMEngine, limits: AdmissionLimits | None = None,
@@ -210,13 +237,6 @@ class AsyncEngine:
         mean = sum(self._start_gaps) / len(self._start_gaps)
         return 1.0 / mean if mean > 0 else None
 
-    def retry_after(self, wait: float | None = None) -> float:
-        """Whole seconds in [1, 60] until a retry would likely be admitted."""
-        wait = self.expected_wait() if wait is None else wait
-        if wait is None:
-            return float(min(60, max(1, self.num_waiting // 8 + 1)))
-        return float(min(60, max(1, math.ceil(wait))))
-
     def reserve(self) -> None:
         """Admission control, called before any tokenizing: raises OverloadedError when the queue is full or a
         new request would not start within max_queue_wait_s."""
@@ -236,14 +256,6 @@ class AsyncEngine:
     def release(self) -> None:
         """Give back a reservation that did not turn into a request (bad input, etc.)."""
         self._reserved -= 1
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """The engine's checks, plus the admission bounds a request could never pass (400, not 429)."""
-        self.engine.validate(prompt_token_ids, params)
-        limit = self.limits.max_queued_tokens
-        if limit is not None and len(prompt_token_ids) > limit:
-            raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens, more than the {limit} "
-                                      "allowed to wait (--max-queued-tokens)", "prompt")
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                owner: str | None = None) -> RequestStream:

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from pagedserve.engine.async_engine import AdmissionLimits, AsyncEngine, EngineDeadError, OverloadedError
+from pagedserve.engine.async_engine import AdmissionLimits, AdmissionRules, EngineDeadError, OverloadedError
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.llm_engine import EngineStats
 from pagedserve.engine.output_processor import RequestOutput
@@ -75,7 +75,7 @@ def engine_stats(stats: Mapping) -> EngineStats:
                        int(stats.get("prefix_cache_queries", 0)), int(stats.get("prefix_cache_hits", 0)), None)
 
 
-class Fleet:
+class Fleet(AdmissionRules):
     """`dispatch` runs one request on some replica; `replica_stats` is what each replica last published
     (replica id -> its `record_routing_stats` dict; empty when unknown)."""
 
@@ -114,10 +114,6 @@ class Fleet:
         rate = sum(x.drain_rate for x in self.loads() if x.drain_rate)
         return self.num_waiting / rate if rate else None
 
-    # AsyncEngine's own rules over the fleet's numbers: retry_after reads expected_wait and num_waiting, validate
-    # reads engine (the InputProcessor) and limits
-    retry_after = AsyncEngine.retry_after
-    validate = AsyncEngine.validate
 
     # ---- admission and submission ----------------------------------------------------------------------
     def reserve(self) -> None:
