@@ -97,7 +97,8 @@ def load_config(path: str) -> ModelConfig:
     if kind == "random":
         return ModelConfig(**RANDOM_SHAPES[path.removeprefix("random:")])
     if kind == "gguf":
-        return _gguf_config(_gguf_reader(path))
+        st = os.stat(path)
+        return _gguf_config_of(path, st.st_ino, st.st_size, st.st_mtime_ns)
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     gen_path = os.path.join(path, "generation_config.json")
@@ -199,6 +200,13 @@ def _gguf_reader(path: str):
         return gguf.GGUFReader(path)
     except Exception as e:  # a truncated or foreign file
         raise ModelLoadError(f"cannot read GGUF file {path!r}: {e}") from e
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_config_of(path: str, inode: int, size: int, mtime_ns: int) -> ModelConfig:
+    """A GGUF file's config, kept per file version: parsing its metadata (the vocabulary's strings) takes seconds,
+    and the engines one process builds over one file (the quality harness's formats, tests) all need it."""
+    return _gguf_config(_gguf_reader(path))
 
 
 def _gguf_field(reader, key: str, default=None):
