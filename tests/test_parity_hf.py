@@ -79,23 +79,28 @@ def test_greedy_64_tokens_match_transformers_generate(make_engine, hf_model, smo
 BF16_NEAR_TIE = 0.3  # logprob gap: about two bf16 steps of a logit in SmolLM2's range (|logit| < 32: step 0.125)
 
 
-def test_bf16_greedy_matches_transformers_bf16(smollm):
+def test_bf16_greedy_matches_transformers_bf16(smollm, hf_model):
     """bf16 (what `--dtype auto` picks on CPUs with native bf16) against transformers in bf16, same file. The two
     round differently (fused kernels, other summation orders), so a greedy continuation may leave the reference
     only at a near-tie of ours: the two tokens within BF16_NEAR_TIE in our logprobs. Every continuation must
     agree up to its first divergence, and at least two throughout. How many leave at a tie depends on the CPU's
     GEMM: 1-2 of 5 on AVX512-BF16 without AMX, 3 on AMX (oneDNN's tiles accumulate in another order), while
     transformers computes a bf16 GGUF model's matmuls in fp32."""
-    import os
+    import copy
 
     from conftest import NEAR_TIES, compare_greedy, run_to_completion
-    from transformers import AutoModelForCausalLM
 
     from pagedserve.engine import LLMEngine, make_config
     from pagedserve.engine.models.loader import build_model
 
-    folder, name = os.path.split(smollm.path)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16).eval()
+    # from_pretrained(dtype=bfloat16) on the file, without parsing the GGUF again (transformers takes seconds): it
+    # makes the fp32 parameters cast to bf16 and keeps the rotary frequencies (the only buffers) in fp32, which
+    # this copy does too; the two gave equal parameters, buffers, logits and generate() outputs, bit for bit.
+    hf = copy.deepcopy(hf_model)
+    assert all(name.startswith("model.rotary_emb.") for name, _ in hf.named_buffers())
+    for p in hf.parameters():  # the tied LM head is the embedding's Parameter: cast once
+        p.data = p.data.to(torch.bfloat16)
+    hf.config.dtype = torch.bfloat16
     model = build_model(smollm.path, smollm.config, torch.bfloat16, torch.device("cpu"), 2048)
     engine = LLMEngine(make_config(model=smollm.path, dtype="bfloat16", device="cpu", num_blocks=64,
                                    max_model_len=2048), model=model, tokenizer=smollm.tokenizer)
