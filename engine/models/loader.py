@@ -22,6 +22,7 @@ from pagedserve.engine.config import ARCHITECTURES, ModelConfig
 from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.layers.dispatch import KernelTable, kernel_table
 from pagedserve.engine.layers.linear import Linear, select_kernels
+from pagedserve.engine.models.gguf_file import GGUFFile
 from pagedserve.engine.models.llama import LlamaModel
 from pagedserve.engine.quant import loading as quant_loading
 from pagedserve.engine.quant.gguf_blocks import GGUFBlocks
@@ -97,8 +98,7 @@ def load_config(path: str) -> ModelConfig:
     if kind == "random":
         return ModelConfig(**RANDOM_SHAPES[path.removeprefix("random:")])
     if kind == "gguf":
-        st = os.stat(path)
-        return _gguf_config_of(path, st.st_ino, st.st_size, st.st_mtime_ns)
+        return _gguf_config(_gguf_reader(path))
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     gen_path = os.path.join(path, "generation_config.json")
@@ -192,37 +192,24 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 # ---- GGUF --------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=2)
-def _gguf_reader(path: str):
-    """Parsed once per process: config, weights and tokenizer all read it."""
-    import gguf
-
+def _gguf_reader(path: str) -> GGUFFile:
+    """Read once for a model build: its config and its weights both need it."""
     try:
-        return gguf.GGUFReader(path)
+        return GGUFFile(path)
     except Exception as e:  # a truncated or foreign file
         raise ModelLoadError(f"cannot read GGUF file {path!r}: {e}") from e
 
 
-@functools.lru_cache(maxsize=8)
-def _gguf_config_of(path: str, inode: int, size: int, mtime_ns: int) -> ModelConfig:
-    """A GGUF file's config, kept per file version: parsing its metadata (the vocabulary's strings) takes seconds,
-    and the engines one process builds over one file (the quality harness's formats, tests) all need it."""
-    return _gguf_config(_gguf_reader(path))
-
-
-def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _gguf_config(reader) -> ModelConfig:
-    arch = _gguf_field(reader, "general.architecture")
+def _gguf_config(reader: GGUFFile) -> ModelConfig:
+    field = reader.fields.get
+    arch = field("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch!r} in GGUF file; supported: {', '.join(ARCHITECTURES)}")
-    g = lambda key, default=None: _gguf_field(reader, f"{arch}.{key}", default)
+    g = lambda key, default=None: field(f"{arch}.{key}", default)
     num_heads = g("attention.head_count")
     hidden = g("embedding_length")
     tensor_names = {t.name for t in reader.tensors}
-    vocab = g("vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens", []))
+    vocab = g("vocab_size") or len(field("tokenizer.ggml.tokens", []))
     scaling = None
     if g("rope.scaling.type") not in (None, "none"):
         scaling = {"rope_type": g("rope.scaling.type"), "factor": g("rope.scaling.factor"),
@@ -231,7 +218,7 @@ def _gguf_config(reader) -> ModelConfig:
     if freqs is not None:  # Llama 3.x: llama3 RoPE scaling baked into per-frequency divisors
         scaling = {"rope_type": "freq_factors",
                    "factors": [float(x) for x in np.asarray(freqs.data, dtype=np.float32).reshape(-1)]}
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    eos = field("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -248,7 +235,7 @@ def _gguf_config(reader) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm=arch == "qwen3",
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
     )
 
@@ -292,13 +279,12 @@ def _gguf_weights(path: str, cfg: ModelConfig, raw: bool = False) -> Iterator[tu
         permuted = cfg.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name)
         heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
         if raw and _block_quantized(t):
-            rows = np.arange(int(t.shape[1]))
-            shape = (int(t.shape[1]), int(t.shape[0]))
-            blocks = np.asarray(t.data)[_unpermute_llama(rows, heads) if permuted else rows]
-            yield name, GGUFBlocks(t.tensor_type.name, blocks, shape)
+            rows = np.arange(t.shape[1])
+            blocks = t.data[_unpermute_llama(rows, heads) if permuted else rows]
+            yield name, GGUFBlocks(t.tensor_type.name, blocks, t.shape[::-1])
             continue
         data = gguf.quants.dequantize(t.data, t.tensor_type)
-        data = np.array(data, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
+        data = np.array(data, dtype=np.float32).reshape(t.shape[::-1])
         yield name, torch.from_numpy(_unpermute_llama(data, heads) if permuted else data)
 
 
