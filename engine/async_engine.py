@@ -63,6 +63,7 @@ class _Stream:
     owner: str | None  # who submitted it (a server's tenant id), so a live view shows each its own ids
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     started: bool = False  # first output seen
+    submitted: float = field(default_factory=time.monotonic)
     first: asyncio.Event = field(default_factory=asyncio.Event)  # set by the first output (or the engine's death)
 
 
@@ -107,7 +108,8 @@ class AsyncEngine(AdmissionRules):
         self._reserved = 0  # admitted requests not yet handed to the engine
         self._queued_tokens = 0
         # gaps between consecutive first outputs while requests were waiting: how fast the queue drains when it
-        # has to (idle time between bursts is not part of it)
+        # has to. A gap counts only if the request starting was already waiting at the start before it: idle time
+        # between bursts is no drain, nor is the wait after the requests that were queued then left unstarted.
         self._start_gaps: deque[float] = deque(maxlen=RATE_WINDOW)
         self._last_start: tuple[float, int] | None = None  # (when, requests then waiting)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -170,8 +172,9 @@ class AsyncEngine(AdmissionRules):
                 stream.first.set()
                 self._queued_tokens -= stream.num_prompt_tokens
                 now = time.monotonic()
-                if self._last_start is not None and self._last_start[1] > 0:
-                    self._start_gaps.append(now - self._last_start[0])
+                last = self._last_start
+                if last is not None and last[1] > 0 and stream.submitted <= last[0]:
+                    self._start_gaps.append(now - last[0])
                 self._last_start = (now, self.num_waiting)
             stream.queue.put_nowait(out)
         if self.on_outputs is not None:

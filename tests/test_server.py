@@ -296,6 +296,56 @@ def test_overload_gets_429_with_retry_after(make_engine):
         _wait_idle(state)
 
 
+def test_idle_time_after_abandoned_requests_is_no_queue_drain(make_engine, monkeypatch):
+    """A request queued behind another and abandoned before it started, then a long idle spell (a clock jumped
+    ahead by 10 minutes, not waited for): the next start is not a gap of the queue's drain, so the measured drain
+    rate stays that of real waits, and a 429 for "would start too late" never reaches an idle server."""
+    from pagedserve.engine import async_engine
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    skipped = [0.0]
+
+    class Clock:  # the module's `time`, ahead of the real one by `skipped`
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        @staticmethod
+        def monotonic() -> float:
+            return time.monotonic() + skipped[0]
+
+    monkeypatch.setattr(async_engine, "time", Clock())
+    aeng = AsyncEngine(make_engine(num_blocks=64, max_num_seqs=1), AdmissionLimits(max_queue_wait_s=10))
+
+    async def scenario() -> None:
+        aeng.start(asyncio.get_running_loop())
+
+        def submit(rid: str, n: int):
+            aeng.reserve()
+            return aeng.submit(rid, [1, 2, 3, 4], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+
+        first, abandoned = submit("a", 8), submit("b", 8)
+        await first.wait_started()
+        assert not abandoned.started
+        abandoned.close()  # its client left while it waited
+        async for _ in first:
+            pass
+        skipped[0] += 600
+        late = [submit("c", 2), submit("d", 2)]  # d waits behind c: a real drain gap
+        for stream in late:
+            async for _ in stream:
+                pass
+            stream.close()
+        assert aeng.drain_rate() is not None and aeng.drain_rate() > 1 / 10
+        aeng.reserve()  # the idle server admits: no "would start in about 300 s"
+        aeng.release()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        aeng.shutdown()
+
+
 def _wait_idle(state, timeout: float = 30) -> None:
     engine = state.engine.engine
     deadline = time.monotonic() + timeout
