@@ -98,8 +98,9 @@ def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
     sorted_logits = sorted_logits.masked_fill(rank >= torch.tensor(ks, device=logits.device)[:, None],
                                               float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    # top-p over what top-k kept: drop a token once the tokens ranked above it hold top_p of the mass
+    # top-p over what top-k kept: drop a token once the tokens ranked above it hold top_p of the mass. The top token
+    # always stays: a top_p under float32's smallest value (~1e-45) rounds to 0, which would drop every token.
     mass_before = probs.cumsum(dim=-1) - probs
     sorted_logits = sorted_logits.masked_fill(
-        mass_before >= torch.tensor(top_p, device=logits.device)[:, None], float("-inf"))
+        (mass_before >= torch.tensor(top_p, device=logits.device)[:, None]) & (rank > 0), float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -67,6 +67,9 @@ def test_top_k_top_p_masks():
     assert kept.tolist() == [True, True, False, False]  # 0.5 + 0.3 covers 0.75
     kept = ~torch.isinf(top_k_top_p(logits, [0], [0.1])[0])
     assert kept.tolist() == [True, False, False, False]  # always at least one
+    for tiny in (1e-46, 5e-324):  # below float32's smallest value: 0 on the device, and still the top token
+        kept = ~torch.isinf(top_k_top_p(logits[:, [2, 0, 3, 1]], [0], [tiny])[0])
+        assert kept.tolist() == [False, True, False, False]
 
 
 def test_sampling_follows_the_distribution_and_seeds_repeat():
