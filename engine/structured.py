@@ -37,11 +37,13 @@ GRAMMAR_CACHE_SIZE = 256
 class StructuredSpec:
     """What the output must match. `value`: a JSON schema (dict or JSON text) for json_schema, None for
     json_object, a regex, a list of strings for choice, or Lark / GBNF text for grammar.
-    `strict`: unknown JSON-schema keywords are an error (else ignored, as OpenAI's non-strict mode)."""
+    `strict`: unknown JSON-schema keywords are an error (else ignored, as OpenAI's non-strict mode).
+    `param`: the request field it came from, which an error names."""
 
     kind: GrammarKind
     value: Any = None
     strict: bool = True
+    param: str = "response_format"
 
     def key(self) -> tuple[str, str, bool]:
         v = self.value if isinstance(self.value, str) else json.dumps(self.value, sort_keys=True)
@@ -56,7 +58,7 @@ def grammar_of(spec: StructuredSpec) -> str:
         if spec.kind == "json_schema":
             schema = json.loads(spec.value) if isinstance(spec.value, str) else spec.value
             if not isinstance(schema, dict):
-                raise InvalidRequestError("the JSON schema must be an object", "response_format")
+                raise InvalidRequestError("the JSON schema must be an object", spec.param)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE,
                                                                  overrides={"lenient": not spec.strict})
         if spec.kind == "regex":
@@ -64,7 +66,7 @@ def grammar_of(spec: StructuredSpec) -> str:
         if spec.kind == "choice":
             choices = spec.value
             if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-                raise InvalidRequestError("choice must be a non-empty list of strings", "guided_choice")
+                raise InvalidRequestError("choice must be a non-empty list of strings", spec.param)
             return llguidance.grammar_from("choice", choices)
         if spec.kind == "lark":  # llguidance's Lark dialect (%json etc.), as built by the server's tool calls
             return llguidance.LLMatcher.grammar_from_lark(str(spec.value))
@@ -73,8 +75,8 @@ def grammar_of(spec: StructuredSpec) -> str:
     except InvalidRequestError:
         raise
     except (ValueError, TypeError) as e:
-        raise InvalidRequestError(f"invalid {spec.kind}: {e}", "response_format") from e
-    raise InvalidRequestError(f"unknown structured output kind {spec.kind!r}", "response_format")
+        raise InvalidRequestError(f"invalid {spec.kind}: {e}", spec.param) from e
+    raise InvalidRequestError(f"unknown structured output kind {spec.kind!r}", spec.param)
 
 
 class GrammarMatcher:
@@ -191,7 +193,7 @@ class StructuredOutputs:
         grammar = grammar_of(spec)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
         if is_error:
-            raise InvalidRequestError(f"invalid {spec.kind.replace('_', ' ')}: {messages[0]}", "response_format")
+            raise InvalidRequestError(f"invalid {spec.kind.replace('_', ' ')}: {messages[0]}", spec.param)
         with self._lock:
             self._grammars[key] = grammar
             while len(self._grammars) > GRAMMAR_CACHE_SIZE:
@@ -216,7 +218,8 @@ class StructuredOutputs:
         if params.structured is not None:
             m = llguidance.LLMatcher(self.ll_tokenizer, self.compile(params.structured), log_level=0)
             if m.is_error():
-                raise InvalidRequestError(f"invalid {params.structured.kind}: {m.get_error()}", "response_format")
+                raise InvalidRequestError(f"invalid {params.structured.kind}: {m.get_error()}",
+                                          params.structured.param)
             c.matcher = GrammarMatcher(m, self.ll_tokenizer.eos_token)
         if params.allowed_token_ids:
             c.blocked = torch.ones(self.vocab_size, dtype=torch.bool)

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedserve.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
@@ -139,13 +139,28 @@ class ChatTool(BaseModel):
     function: FunctionDefinition
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text
+
+
+class CalledTool(BaseModel):
+    """A past tool call in an assistant message."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
+    tool_calls: list[CalledTool] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # role "tool": which call this answers
 
     def text(self) -> str:
@@ -165,6 +180,13 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ChatTool] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):  # as OpenAI and vLLM
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
 

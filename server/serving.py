@@ -210,7 +210,7 @@ class Serving:
     async def generate(self, endpoint_cls: type[Endpoint], body, raw: Request):
         """The response model, or an async iterator of chunks (JSON strings, then "[DONE]") to stream."""
         endpoint = endpoint_cls(body, self.model_name)
-        aeng = self.admit(body, endpoint.count())
+        aeng = self.admit(body, endpoint.count(), "n" if body.n > 1 else endpoint.param)
         endpoint.tokenizer = aeng.engine.tokenizer
         salt = self.cache_salt(body, raw)
         built = await self.build(aeng, endpoint, salt)
@@ -223,8 +223,9 @@ class Serving:
         return endpoint.response(built, outs)
 
     # ---- admit ------------------------------------------------------------------------------------------
-    def admit(self, body, count: int) -> AsyncEngine:
-        """Model check, then the queue limit: both before any tokenizing or streaming."""
+    def admit(self, body, count: int, param: str) -> AsyncEngine:
+        """Model check, then the queue limit: both before any tokenizing or streaming. `param`: the field blamed
+        when the request alone is more than may wait (n, or the route's prompt field)."""
         aeng = self.engine()
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"The model `{body.model}` does not exist.", "invalid_request_error", "model",
@@ -232,7 +233,7 @@ class Serving:
         limit = aeng.limits.max_waiting_requests
         if limit is not None and count > limit:  # could never be admitted: not a 429 to retry for ever
             raise APIError(400, f"this request needs {count} sequences (prompts x n) but at most {limit} may "
-                           "wait at once (--max-waiting-requests)", param="n")
+                           "wait at once (--max-waiting-requests)", param=param)
         reserved = 0
         try:
             for _ in range(count):

@@ -50,7 +50,8 @@ def resolve_tool_choice(tools: list[dict] | None, tool_choice: Any) -> ToolChoic
         if tool_choice != "none" and not tools:
             raise InvalidRequestError(f"tool_choice {tool_choice!r} needs `tools`", "tool_choice")
         return ToolChoice(tool_choice)
-    name = (tool_choice.get("function") or {}).get("name")
+    function = tool_choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
     if tool_choice.get("type") != "function" or not isinstance(name, str):
         raise InvalidRequestError("a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}",
                                   "tool_choice")
@@ -116,7 +117,7 @@ def tool_grammar(tools: list[dict], choice: ToolChoice, parallel: bool) -> Struc
     repeat = ' ("\\n" call)*' if parallel and choice.mode == "required" else ""
     lark = (f"start: call{repeat}\ncall: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
             f"body: %json {json.dumps(schema)}\n")
-    return StructuredSpec("lark", lark)
+    return StructuredSpec("lark", lark, param="tools")
 
 
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')

@@ -49,6 +49,13 @@ CASES = [
     ("n over the waiting limit", "/v1/chat/completions", {"messages": MSG, "max_tokens": 2, "n": 8}, 400, "n"),
     ("prompts x n over the waiting limit", "/v1/completions",
      {"prompt": ["a", "b", "c"], "max_tokens": 2, "n": 2}, 400, "n"),
+    ("prompts over the waiting limit", "/v1/completions", {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 2}, 400,
+     "prompt"),
+    ("a past tool call's function not an object", "/v1/chat/completions", {"messages": [*MSG, {
+        "role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": "f"}]}], "max_tokens": 2},
+     400, "messages"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, 400,
+     "top_logprobs"),
     ("prompt over max_queued_tokens", "/v1/completions", {"prompt": list(range(1000, 3500)), "max_tokens": 2},
      400, "prompt"),
     ("tool_choice", "/v1/chat/completions", {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
