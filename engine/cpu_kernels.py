@@ -1,9 +1,9 @@
 """The project's C++ CPU kernels (engine/csrc/*.cpp), built once into one torch extension.
 
 Compiled on first use with g++ -march=native (torch's cpp_extension + ninja) into a cache directory keyed by
-everything the build depends on (sources, headers, flags, torch's version and location, Python's version, the
-CPU), so later starts load it at once and two environments never take turns rebuilding one directory. If the
-build fails, `load()` logs a warning and returns False, and every layer keeps its PyTorch path; with
+everything the build depends on (sources and their location, headers, flags, torch's version and location, Python's
+version, the CPU), so later starts load it at once and two environments never take turns rebuilding one directory.
+If the build fails, `load()` logs a warning and returns False, and every layer keeps its PyTorch path; with
 PAGEDSERVE_REQUIRE_KERNELS=1 (the test suite, CI) a failed build raises instead, so a broken kernel can never
 pass as a skipped one.
 
@@ -49,8 +49,10 @@ def build_key(cflags: list[str] | None = None) -> str:
     sources = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
     machine = cpu()
     parts = [p.name + "\0" + p.read_text() for p in sources]
-    # torch's location: build.ninja names its include directories, and ninja rebuilds when that file changes
-    parts += [torch.__version__, os.path.dirname(torch.__file__), sys.version, *(cflags or CFLAGS), *LDFLAGS,
+    # torch's location and the sources': build.ninja names its include directories and source files, and ninja
+    # rebuilds when that file changes (two checkouts of one commit would take turns rebuilding)
+    parts += [torch.__version__, os.path.dirname(torch.__file__), str(CSRC.resolve()), sys.version,
+              *(cflags or CFLAGS), *LDFLAGS,
               machine.model,
               " ".join(sorted(machine.flags or ()))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
