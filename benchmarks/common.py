@@ -215,6 +215,49 @@ def trees(baseline_refs: list[str]) -> dict[str, Path | None]:
     return out
 
 
+def serve(tree: Path | None, args: Sequence[str], log, bound_s: float = 900) -> tuple[subprocess.Popen, str]:
+    """`pagedserve serve` from `tree` (None: this one) on a free loopback port, its output to the file `log`; returns
+    the process and its base URL once /health answers 200 (stop it with `stop`)."""
+    import httpx
+
+    tree = tree or REPO
+    module = "pagedserve.server" if (tree / "pagedserve").is_dir() else "server"  # before the package was named
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+                            cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)), stdout=log, stderr=subprocess.STDOUT)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server from {tree} exited ({proc.returncode}):\n{_tail(log)}")
+        try:
+            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    stop(proc)
+    raise RuntimeError(f"server from {tree} not healthy within {bound_s:.0f} s")
+
+
+def _tail(log) -> str:
+    """The end of a server's output file, or where to find it (a file opened write-only)."""
+    try:
+        log.flush()
+        log.seek(0)
+        return log.read()[-3000:]
+    except (OSError, ValueError):
+        return f"see {log.name}"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def free_port() -> int:
     """A port on 127.0.0.1 that nothing listens on now, for a server a benchmark starts."""
     with socket.socket() as s:

@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 
@@ -65,27 +64,6 @@ with httpx.Client(timeout=30, trust_env=False) as c:
         stop.wait(max(0.0, next_at - time.monotonic()))
 print(json.dumps({"polls": n, "poll_ms": latency * 1e3 / n, "state_bytes": size / n}), flush=True)
 """
-
-
-def start_server(args) -> tuple[subprocess.Popen, str, object]:
-    port = common.free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.TemporaryFile("w+")
-    server = subprocess.Popen([sys.executable, "-m", "pagedserve.server", "serve", "--port", str(port),
-                               "--log-level", "warning", "--dtype", args.dtype], stdout=log, stderr=subprocess.STDOUT)
-    t0 = time.monotonic()
-    while True:
-        if server.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"server exited:\n{log.read()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                return server, url, log
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() - t0 > 600:
-            raise RuntimeError("server did not become healthy in 600 s")
-        time.sleep(0.5)
 
 
 def run(url: str, args, path: str | None) -> dict:
@@ -143,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "request at that rate, without the snapshot")
     args = ap.parse_args(argv)
     print(f"CPU flags: {cpu_flags()}", flush=True)
-    server, url, log = start_server(args)
+    log = tempfile.TemporaryFile("w+")
+    server, url = common.serve(None, ["--log-level", "warning", "--dtype", args.dtype], log, bound_s=600)
     try:
         kv = httpx.get(url + "/v1/engine/state", timeout=30, trust_env=False).json()["kv"]
         contestants = {"no dashboard": lambda: run(url, args, None),
@@ -152,11 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
             contestants["/health 5 Hz"] = lambda: run(url, args, "/health")
         runs = common.interleaved(args.rounds, contestants)
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        common.stop(server)
         log.close()
     rows = {name: common.medians(r) for name, r in runs.items()}
     desc = "prose" if args.workload == "prose" else f"random {args.input_len}-in/{args.output_len}-out"

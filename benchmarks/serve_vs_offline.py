@@ -17,12 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import tempfile
 import time
-
-import httpx
 
 from pagedserve.benchmarks import common, workloads
 from pagedserve.benchmarks import serve as bench
@@ -41,27 +37,11 @@ def main_thread_cpu_s(pid: int) -> float:
 
 def run_http(tree, serve_args: list[str], args) -> dict:
     """Start `tree`'s server, load it with the prose workload, stop it."""
-    port = common.free_port()
-    url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
-        server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--log-level",
-                                   "warning", "--dtype", args.dtype, *serve_args], cwd=tree or common.REPO,
-                                  env=dict(os.environ, PYTHONPATH=str(tree or common.REPO)), stdout=log,
-                                  stderr=subprocess.STDOUT)
+        server, url = common.serve(tree, ["--log-level", "warning", "--dtype", args.dtype, *serve_args], log,
+                                   bound_s=600)
         try:
-            while True:
-                if server.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"server exited:\n{log.read()[-3000:]}")
-                try:
-                    if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.perf_counter() - t0 > 600:
-                    raise RuntimeError("server did not become healthy in 600 s")
-                time.sleep(0.5)
             startup = time.perf_counter() - t0
             bench_args = bench.build_parser().parse_args(
                 ["--base-url", url, "--endpoint", "completions", "--workload", "prose", "--num-prompts",
@@ -71,11 +51,7 @@ def run_http(tree, serve_args: list[str], args) -> dict:
             m = asyncio.run(bench.run_benchmark(bench_args))
             loop_cpu = main_thread_cpu_s(server.pid) - cpu0
         finally:
-            server.terminate()
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            common.stop(server)
     return {"startup_s": startup, "output_tok_s": m["output_throughput"], "ttft_p50_ms": m["median_ttft_ms"],
             "ttft_p99_ms": m["p99_ttft_ms"], "tpot_p50_ms": m["median_tpot_ms"], "tpot_p99_ms": m["p99_tpot_ms"],
             "event_loop_cpu_s": loop_cpu, "duration_s": m["duration"]}

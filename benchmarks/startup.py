@@ -10,13 +10,10 @@ each --baseline-ref commit start in turn, round after round; medians are reporte
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from datetime import datetime
 
-import httpx
 import numpy as np
 
 from pagedserve.benchmarks import common
@@ -52,29 +49,11 @@ def write_llama3_vocab_gguf(path: str) -> None:
 
 def start(tree, serve_args: list[str]) -> dict:
     """Launch `tree`'s server, time it to the engine built and to healthy, stop it."""
-    port = common.free_port()
     with tempfile.TemporaryFile("w+") as log:
         t0 = time.time()
-        server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *serve_args],
-                                  cwd=tree or common.REPO, env=dict(os.environ, PYTHONPATH=str(tree or common.REPO)),
-                                  stdout=log, stderr=subprocess.STDOUT)
-        try:
-            while True:
-                if server.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"server exited:\n{log.read()[-3000:]}")
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.time() - t0 > 600:
-                    raise RuntimeError("server did not become healthy in 600 s")
-                time.sleep(0.05)
-            ready = time.time() - t0
-        finally:
-            server.terminate()
-            server.wait(30)
+        server, _ = common.serve(tree, serve_args, log, bound_s=600)
+        ready = time.time() - t0
+        common.stop(server)
         log.seek(0)
         line = next(x for x in log if "KV cache:" in x)  # "2026-12-06 14:00:18,874 INFO ...": the log's clock
     built = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp() - t0

@@ -25,7 +25,6 @@ import os
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -110,38 +109,6 @@ def summarize(results: list[dict], wall: float) -> dict:
             "max_gap_ms": max(gaps) * 1e3}
 
 
-def serve(tree: Path | None, model: str, tokenizer: str | None, extra: list[str], log) -> tuple[subprocess.Popen, str]:
-    """`pagedserve serve` from `tree` (None: this one) on a free loopback port; returns once /health is 200."""
-    tree = tree or common.REPO
-    module = "pagedserve.server" if (tree / "pagedserve").is_dir() else "server"  # before the package was named
-    port = common.free_port()
-    cmd = [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), "--model", model,
-           "--log-level", "warning", *(["--tokenizer", tokenizer] if tokenizer else []), *extra]
-    proc = subprocess.Popen(cmd, cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)), stdout=log,
-                            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server from {tree} exited ({proc.returncode}); see {log.name}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc, f"http://127.0.0.1:{port}/v1"
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError(f"server from {tree} not healthy within 900 s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = common.parser(__doc__, rounds=2)
     ap.add_argument("--sizes", default="135m,1b", help="135m and/or 1b (default %(default)s)")
@@ -173,11 +140,12 @@ def main(argv: list[str] | None = None) -> None:
         for size, (model, tok) in models.items():
             def contestant(tree: Path | None, model=model, tok=tok):
                 def run() -> dict:
-                    proc, url = serve(tree, model, tok, extra, log)
+                    proc, url = common.serve(tree, ["--model", model, "--log-level", "warning",
+                                                    *(["--tokenizer", tok] if tok else []), *extra], log)
                     try:
-                        return asyncio.run(_run(url, reqs))
+                        return asyncio.run(_run(url + "/v1", reqs))
                     finally:
-                        stop(proc)
+                        common.stop(proc)
                 return run
 
             runs = {label: contestant(tree) for label, tree in trees.items()}
