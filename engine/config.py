@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,16 +121,18 @@ def bundled_text_path() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pride_and_prejudice.txt")
 
 
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
 def resolve_dtype(name: str | torch.dtype, device: torch.device, kernel_policy: str | None = None) -> torch.dtype:
     """`auto` -> bf16 where the device runs it fast (engine/layers/dispatch.py: auto_dtype), else fp32."""
     if isinstance(name, torch.dtype):
         return name
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if name in table:
-        return table[name]
+    if name in DTYPES:
+        return DTYPES[name]
     if name != "auto":
-        raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {name!r}")
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
     from pagedserve.engine.layers.dispatch import auto_dtype
 
     return auto_dtype(device, kernel_policy)
@@ -227,6 +230,16 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        for name in ("dtype", "draft_dtype"):
+            value = getattr(self, name)
+            if not isinstance(value, torch.dtype) and value != "auto" and value not in DTYPES:
+                raise ValueError(f"{name} must be one of auto, {', '.join(DTYPES)}; got {value!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device)):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        if str(self.device).startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: this torch build sees no CUDA device")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:

@@ -39,6 +39,9 @@ class InputProcessor:
             self.check_prompt_chars(len(prompt), "prompt")
             with self._lock:
                 return list(self.tokenizer.encode(prompt, add_special_tokens=True)) if prompt else []
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidRequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}",
+                                      "prompt")
         return list(prompt)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:

@@ -38,6 +38,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
 
     def __post_init__(self) -> None:
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
+            raise InvalidRequestError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}", "seed")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidRequestError(f"cache_salt must be a string, got {self.cache_salt!r}", "cache_salt")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

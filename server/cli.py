@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
 import sys
 import typing
 
@@ -71,6 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         _fail(f"refusing to serve on {server.host} without an API key: anyone who can reach it could use the model "
               "and read the metrics. Set --api-key (or PAGEDSERVE_API_KEY), or pass --allow-insecure-no-auth if the "
               "network is trusted")
+    _check_listen(server.host, server.port)
     files = _resolve_model(config)  # before the port is bound
     config = dataclasses.replace(config, model=files.path)
     if server.served_model_name is None:
@@ -89,6 +91,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if app.state.pagedserve.load_error is not None:  # never a server that answers 503 for ever
         e = app.state.pagedserve.load_error
         _fail(f"the model failed to load: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Bind once before the model loads: a bad port, one in use or a host that does not resolve is one line here,
+    not uvicorn's exit 3 after the load has begun."""
+    if not 1 <= port <= 65535:
+        _fail(f"--port must be in 1..65535, got {port}")
+    try:
+        with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET):
+            pass
+    except OSError as e:
+        _fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
 
 
 def _resolve_model(config):
@@ -146,18 +160,18 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.engine.tokenizer import apply_chat_template
 
-    try:
+    try:  # bad options, a model that cannot load or be split, a prompt the engine refuses: one line each
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.sample_seed)
         engine = LLMEngine(_engine_config(args))
-    except (ValueError, FileNotFoundError) as e:  # a model that cannot load or be split: one line
+        tok = engine.tokenizer
+        if args.raw or tok is None or not getattr(tok, "chat_template", None):
+            prompt = args.prompt
+        else:
+            prompt = apply_chat_template(tok, [{"role": "user", "content": args.prompt}])
+        engine.add_request("cli", prompt, params)
+    except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
-    tok = engine.tokenizer
-    if args.raw or tok is None or not getattr(tok, "chat_template", None):
-        prompt = args.prompt
-    else:
-        prompt = apply_chat_template(tok, [{"role": "user", "content": args.prompt}])
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.sample_seed)
-    engine.add_request("cli", prompt, params)
     finish = None
     while engine.has_unfinished():
         for out in engine.step():

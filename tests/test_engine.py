@@ -165,6 +165,9 @@ def test_profile_step_runs_the_largest_step_without_touching_the_cache(make_engi
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (dict(seed=2**64), "seed"),
+    (dict(seed="abc"), "seed"),
+    (dict(cache_salt=123), "cache_salt"),
 ])
 def test_bad_sampling_params(kwargs, param):
     with pytest.raises(InvalidRequestError) as e:
@@ -184,6 +187,8 @@ def test_bad_requests_then_engine_still_serves(make_engine):
     assert "1024" in str(e.value) and "1000" in str(e.value) and e.value.code == "context_length_exceeded"
     with pytest.raises(InvalidRequestError, match="token ids"):
         engine.add_request("e4", [1, 2, 10**9], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="a string or a list of token ids"):
+        engine.add_request("e5", 7, SamplingParams())
     engine.add_request("ok", "Hello, my name is", greedy(5))
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("ok", "again", greedy(5))

@@ -130,3 +130,22 @@ def test_a_model_that_cannot_load_ends_serve_before_the_port_is_bound(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("pagedserve: error:"), out.stderr
         with socket.socket() as s:  # the port is still free: it was never bound
             s.bind(("127.0.0.1", port))
+
+
+def test_bad_options_end_the_cli_in_one_line_before_the_model_loads(tmp_path):
+    """A port out of range or in use, a dtype, device or context length that cannot be, a sampling value the engine
+    refuses: exit 1 with one line each, before the model loads (no "loaded" line) and before the port is bound."""
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        cases = [["serve", "--port", "70000"], ["serve", "--port", str(taken.getsockname()[1])],
+                 ["serve", "--port", str(port), "--dtype", "foo"], ["serve", "--port", str(port), "--device", "foo"],
+                 ["serve", "--port", str(port), "--max-model-len", "-5"], ["generate", "hi", "--temperature", "-1"]]
+        for args in cases:
+            out = subprocess.run([sys.executable, "-m", "pagedserve.server.cli", *args], cwd=REPO, env=env,
+                                 capture_output=True, text=True, timeout=120)
+            lines = [line for line in out.stderr.splitlines() if line.strip()]
+            assert out.returncode == 1 and len(lines) == 1 and lines[0].startswith("pagedserve: error:"), \
+                (args, out.returncode, out.stderr)
+    with socket.socket() as s:  # never bound by any of them
+        s.bind(("127.0.0.1", port))
