@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pagedserve.engine.config import make_config
 from pagedserve.engine.errors import ModelLoadError
 from pagedserve.engine.models.resolver import resolve_model
 
@@ -133,14 +134,14 @@ def test_a_model_that_cannot_load_ends_serve_before_the_port_is_bound(tmp_path):
 
 
 def test_bad_options_end_the_cli_in_one_line_before_the_model_loads(tmp_path):
-    """A port out of range or in use, a dtype, device or context length that cannot be, a sampling value the engine
-    refuses: exit 1 with one line each, before the model loads (no "loaded" line) and before the port is bound."""
+    """A port out of range or in use, an engine option that cannot be (the rest: test_engine_options_are_checked),
+    a sampling value the engine refuses: exit 1 with one line each, before the model loads (no "loaded" line) and
+    before the port is bound."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
     with socket.create_server(("127.0.0.1", 0)) as taken:
         cases = [["serve", "--port", "70000"], ["serve", "--port", str(taken.getsockname()[1])],
-                 ["serve", "--port", str(port), "--dtype", "foo"], ["serve", "--port", str(port), "--device", "foo"],
-                 ["serve", "--port", str(port), "--max-model-len", "-5"], ["generate", "hi", "--temperature", "-1"]]
+                 ["serve", "--port", str(port), "--device", "foo"], ["generate", "hi", "--temperature", "-1"]]
         for args in cases:
             out = subprocess.run([sys.executable, "-m", "pagedserve.server.cli", *args], cwd=REPO, env=env,
                                  capture_output=True, text=True, timeout=120)
@@ -149,3 +150,10 @@ def test_bad_options_end_the_cli_in_one_line_before_the_model_loads(tmp_path):
                 (args, out.returncode, out.stderr)
     with socket.socket() as s:  # never bound by any of them
         s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize("option", [dict(dtype="foo"), dict(draft_dtype="fp8"), dict(device="foo"),
+                                    dict(device="cuda:x"), dict(max_model_len=0), dict(max_model_len=-5)])
+def test_engine_options_are_checked(option):
+    with pytest.raises(ValueError, match=next(iter(option))):
+        make_config(**option)
