@@ -8,6 +8,7 @@ import logging
 import math
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,7 +68,7 @@ class _Stream:
     first: asyncio.Event = field(default_factory=asyncio.Event)  # set by the first output (or the engine's death)
 
 
-class AdmissionRules:
+class AdmissionRules(ABC):
     """The answers an AsyncEngine and a fleet of them (server/fleet.py) give alike, from what each has: `engine`
     (what validates a request), `limits`, `num_waiting` and `expected_wait()`."""
 
@@ -75,8 +76,9 @@ class AdmissionRules:
     limits: AdmissionLimits
     num_waiting: int
 
+    @abstractmethod
     def expected_wait(self) -> float | None:
-        raise NotImplementedError
+        """Seconds until one more request would start (None before it can be told)."""
 
     def retry_after(self, wait: float | None = None) -> float:
         """Whole seconds in [1, 60] until a retry would likely be admitted."""
