@@ -33,7 +33,6 @@ class GGUFFile:
     """`fields`: metadata key -> value (numbers, strings, lists of them); `tensors`: the table, in file order."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # the tensors' arrays keep it open
         self._pos = 0
