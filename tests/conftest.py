@@ -62,7 +62,11 @@ def tiny_hf_dir(tmp_path_factory, smollm):
 
 @pytest.fixture(scope="session")
 def make_engine(smollm):
-    """Build an fp32 CPU engine over the shared SmolLM2 weights: make_engine(num_blocks=..., ...)."""
+    """Build an fp32 CPU engine over the shared SmolLM2 weights: make_engine(num_blocks=..., ...).
+
+    Servers whose tests are about HTTP, not about how steps are sized, pass max_step_ms=0: their engine then skips
+    the warm-up that fits the step-cost model (a few seconds per server; test_step_cost.py and test_server.py's
+    servers keep it)."""
 
     def make(**kwargs) -> LLMEngine:
         kwargs.setdefault("num_blocks", 256)

@@ -35,7 +35,7 @@ def _json_error(reply: bytes, status: int) -> dict:
 
 @pytest.mark.slow  # load, flood or fuzz: the heavy tier
 def test_idle_and_slow_header_sockets_do_not_lock_users_out(make_engine):
-    engine = make_engine(num_blocks=128)
+    engine = make_engine(num_blocks=128, max_step_ms=0)
     with running_server(engine, header_timeout_s=3.0, max_connections=1024) as (base, _):
         host, port = base.removeprefix("http://").split(":")
         idle = [socket.create_connection((host, int(port)), timeout=60) for _ in range(1100)]
@@ -75,7 +75,7 @@ def test_idle_and_slow_header_sockets_do_not_lock_users_out(make_engine):
 
 def test_a_full_server_refuses_in_json_and_recovers(make_engine):
     """At the cap with every connection busy, a new one gets a 503 in OpenAI's shape with Retry-After."""
-    engine = make_engine(num_blocks=128)
+    engine = make_engine(num_blocks=128, max_step_ms=0)
     with running_server(engine, max_connections=2) as (base, state):
         host, port = base.removeprefix("http://").split(":")
         body = json.dumps({"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True})
@@ -107,7 +107,7 @@ def test_requests_that_cannot_start_in_time_get_429_and_retries_succeed(make_eng
     """One sequence at a time and slowed steps: most of a burst cannot start within max_queue_wait_s. Each of
     those gets 429 + Retry-After (at admission once the start rate is measured, else when the bound passes);
     following Retry-After, every client gets its answer. No request ends any other way."""
-    engine = make_engine(num_blocks=128, max_num_seqs=1)
+    engine = make_engine(num_blocks=128, max_num_seqs=1, max_step_ms=0)
     real_run = engine.runner.run
 
     def slow_run(step):

@@ -60,7 +60,7 @@ async def first_chunks(c: httpx.AsyncClient, base: str, payload: dict, n: int, h
 
 @pytest.fixture(scope="module")
 def server(make_engine):
-    engine = make_engine(num_blocks=96, max_num_seqs=8)
+    engine = make_engine(num_blocks=96, max_num_seqs=8, max_step_ms=0)
     with running_server(engine) as (base, st):
         yield base, engine
 
@@ -124,7 +124,7 @@ def test_common_prefix_shows_shared_blocks(server):
 
 
 def test_state_needs_a_key_and_shows_each_key_its_own_ids(make_engine):
-    engine = make_engine(num_blocks=64, max_num_seqs=4)
+    engine = make_engine(num_blocks=64, max_num_seqs=4, max_step_ms=0)
     with running_server(engine, api_key="key-a,key-b") as (base, _):
         assert httpx.get(f"{base}/v1/engine/state").status_code == 401
         assert httpx.get(f"{base}/v1/engine/state", headers={"Authorization": "Bearer nope"}).status_code == 401

@@ -21,7 +21,7 @@ MSG = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def server(make_engine):
-    engine = make_engine(num_blocks=256, max_num_seqs=16)
+    engine = make_engine(num_blocks=256, max_num_seqs=16, max_step_ms=0)
     limits = AdmissionLimits(max_waiting_requests=4, max_queued_tokens=2000)
     with running_server(engine, limits, api_key=",".join(KEYS), max_body_bytes=2 * 2**20,
                         body_timeout_s=2.0) as (base, state):
@@ -199,7 +199,7 @@ def test_prefix_cache_is_per_key_and_per_salt(server):
 
 
 def test_prefix_cache_shared_across_keys_when_asked(make_engine):
-    engine = make_engine(num_blocks=128)
+    engine = make_engine(num_blocks=128, max_step_ms=0)
     with running_server(engine, api_key=",".join(KEYS), prefix_cache_per_key=False) as (base, state):
         prompt = "Shared system prompt. " * 12
         for key, hit in ((KEYS[0], False), (KEYS[1], True)):
@@ -214,7 +214,7 @@ def test_a_huge_prompt_does_not_freeze_streams_or_health(make_engine):
     """While multi-megabyte prompts arrive, a running stream keeps getting tokens and /health answers: the
     oversized prompts are refused without being tokenized, and every refusal and several health checks
     complete while the stream is still running (events in order, not timings)."""
-    engine = make_engine(num_blocks=256)
+    engine = make_engine(num_blocks=256, max_step_ms=0)
     tokenized: list[int] = []
     real_tokenize = engine.tokenize
     engine.tokenize = lambda prompt: tokenized.append(len(prompt)) or real_tokenize(prompt)
@@ -303,7 +303,7 @@ def test_completion_logprobs_offsets_and_stop_cut(server, smollm):
 
 
 def test_500_carries_no_exception_text(make_engine):
-    engine = make_engine(num_blocks=64)
+    engine = make_engine(num_blocks=64, max_step_ms=0)
     with running_server(engine) as (base, state):
         def boom(messages):
             raise RuntimeError("secret internals /etc/passwd")

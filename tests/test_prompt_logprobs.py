@@ -97,7 +97,7 @@ def test_max_tokens_zero_needs_prompt_logprobs():
 
 def test_echo_logprobs_max_tokens_zero_through_the_server(make_engine, reference, smollm):
     ids, ref, _ = reference
-    engine = make_engine(max_num_batched_tokens=16)
+    engine = make_engine(max_num_batched_tokens=16, max_step_ms=0)
     with running_server(engine) as (base, _):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
         r = client.completions.create(model=MODEL, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0)

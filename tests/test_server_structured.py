@@ -53,7 +53,7 @@ MAX_TOKENS = 60
 
 @pytest.fixture(scope="module")
 def server(make_engine):
-    engine = make_engine(num_blocks=512, max_num_seqs=48)
+    engine = make_engine(num_blocks=512, max_num_seqs=48, max_step_ms=0)
     with running_server(engine) as (base, state):
         yield base, state
 

@@ -23,7 +23,7 @@ def test_usage_metrics_and_bench_report_acceptance(make_engine, smollm):
     plain = make_engine()
     plain.add_request("ref", apply_chat_template(smollm.tokenizer, MESSAGES), greedy(24, logprobs=None))
     ref = run_to_completion(plain)["ref"]
-    engine = make_engine(speculative_method="ngram", num_speculative_tokens=4)
+    engine = make_engine(speculative_method="ngram", num_speculative_tokens=4, max_step_ms=0)
     engine.speculator.adaptive = False
     with running_server(engine) as (base, _):
         async def scrape():

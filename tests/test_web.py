@@ -40,7 +40,7 @@ def browser():
 
 @pytest.fixture(scope="module")
 def server(make_engine):
-    engine = make_engine(num_blocks=256, max_num_seqs=16)
+    engine = make_engine(num_blocks=256, max_num_seqs=16, max_step_ms=0)
     with running_server(engine) as (base, state):
         yield base, engine
 
@@ -246,7 +246,7 @@ def test_markup_in_a_model_reply_renders_as_text(server, page):
 
 
 def test_with_an_api_key_the_page_gets_no_data_until_given_the_key(make_engine, browser):
-    engine = make_engine(num_blocks=64, max_num_seqs=4)
+    engine = make_engine(num_blocks=64, max_num_seqs=4, max_step_ms=0)
     with running_server(engine, api_key="sesame-key") as (base, _):
         context = browser.new_context()
         page = context.new_page()
