@@ -38,6 +38,14 @@ class Bundled:
 
 
 @pytest.fixture(scope="session")
+def cpp_kernels() -> None:
+    """The C++ kernels, built or loaded, for modules that call them directly (an engine loads them itself)."""
+    from pagedserve.engine import cpu_kernels
+
+    assert cpu_kernels.load()  # a failed build fails, never skips
+
+
+@pytest.fixture(scope="session")
 def smollm() -> Bundled:
     path = bundled_model_path()
     cfg = load_config(path)

@@ -13,6 +13,7 @@ from pagedserve.engine.layers.dispatch import KernelTable
 from pagedserve.engine.layers.norm import RMSNorm
 from pagedserve.engine.layers.rotary import RotaryEmbedding
 
+pytestmark = pytest.mark.usefixtures("cpp_kernels")
 CPU = torch.device("cpu")
 # fp32: accumulation order only; bf16: the fused ops round where the PyTorch path rounds, so at most one
 # bf16 step (2^-8 relative) apart
