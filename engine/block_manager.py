@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from pagedserve.engine.sequence import Sequence
@@ -209,38 +209,19 @@ class BlockManager:
 
     # ---- integrity -----------------------------------------------------------------------------
     def check_integrity(self, live_seqs: list[Sequence] | None = None) -> None:
-        """Raise AssertionError if the bookkeeping is inconsistent.
-
-        free + cached + used == total; the free queue holds exactly the unreferenced blocks; every
-        hash maps to a block that carries it; with `live_seqs`, ref counts equal table occurrences.
-        """
-        free = cached = used = 0
-        for block in self.blocks:
-            in_queue = block.block_id in self._free_queue
-            if block.ref_count < 0:
-                raise AssertionError(f"block {block.block_id} has negative ref count")
-            if block.ref_count == 0:
-                if not in_queue:
-                    raise AssertionError(f"unreferenced block {block.block_id} is not in the free queue (leak)")
-                if block.hash is None:
-                    free += 1
-                else:
-                    cached += 1
-            else:
-                if in_queue:
-                    raise AssertionError(f"referenced block {block.block_id} is in the free queue")
-                used += 1
-        if free + cached + used != self.num_blocks or len(self._free_queue) != free + cached:
-            raise AssertionError(f"free {free} + cached {cached} + used {used} != total {self.num_blocks}")
-        for h, b in self._hash_to_block.items():
-            if self.blocks[b].hash != h:
-                raise AssertionError(f"hash table points at block {b} which no longer holds that prefix")
+        """Raise AssertionError if the bookkeeping is inconsistent: the free queue holds exactly the unreferenced
+        blocks and no ref count is negative; every hash maps to a block that carries it; with `live_seqs`, ref
+        counts equal table occurrences."""
+        if negative := [b.block_id for b in self.blocks if b.ref_count < 0]:
+            raise AssertionError(f"blocks {negative} have negative ref counts")
+        unreferenced = {b.block_id for b in self.blocks if b.ref_count == 0}
+        if leaked := sorted(unreferenced - self._free_queue.keys()):
+            raise AssertionError(f"unreferenced blocks {leaked} are not in the free queue (leak)")
+        if extra := sorted(self._free_queue.keys() - unreferenced):
+            raise AssertionError(f"blocks {extra} in the free queue are referenced or unknown")
+        if stale := [b for h, b in self._hash_to_block.items() if self.blocks[b].hash != h]:
+            raise AssertionError(f"the hash table points at blocks {stale}, which no longer hold those prefixes")
         if live_seqs is not None:
-            counts = [0] * self.num_blocks
-            for seq in live_seqs:
-                for b in seq.block_table:
-                    counts[b] += 1
-            for block in self.blocks:
-                if counts[block.block_id] != block.ref_count:
-                    raise AssertionError(f"block {block.block_id}: ref count {block.ref_count} but "
-                                         f"{counts[block.block_id]} sequences hold it")
+            held = Counter(b for seq in live_seqs for b in seq.block_table)
+            if wrong := [b.block_id for b in self.blocks if held[b.block_id] != b.ref_count]:
+                raise AssertionError(f"blocks {wrong}: ref counts differ from the sequences holding them")

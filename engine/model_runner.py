@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.engine.attention import AttentionMetadata, get_backend
-from pagedserve.engine.config import EngineConfig, ModelConfig, dtype_size
+from pagedserve.engine.config import EngineConfig, ModelConfig
 from pagedserve.engine.layers.dispatch import KernelTable, kernel_table
 from pagedserve.engine.layers.fused_decode import FusedDecoder
 from pagedserve.engine.models.llama import LlamaModel
@@ -116,7 +116,7 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         """This rank's: its KV heads only."""
         cfg = self.model_config
-        return 2 * cfg.num_layers * self.num_kv_heads * cfg.head_dim * dtype_size(self.dtype)
+        return 2 * cfg.num_layers * self.num_kv_heads * cfg.head_dim * self.dtype.itemsize
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -7,7 +7,6 @@ someone asks), where the block manager's books balance.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from pagedserve.engine.block_manager import BlockManager
@@ -48,7 +47,6 @@ class SequenceSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
-    taken_at: float  # time.monotonic()
     num_blocks: int
     block_size: int
     pool: str  # FREE / CACHED / USED / SHARED per block id
@@ -86,6 +84,6 @@ def take(scheduler: Scheduler, num_inbox: int, step: StepRecord | None) -> Engin
     """The snapshot; call it from the stepping thread, between steps."""
     bm, stats = scheduler.block_manager, scheduler.stats
     seqs = [_sequence(s, True) for s in scheduler.running] + [_sequence(s, False) for s in scheduler.waiting]
-    return EngineSnapshot(time.monotonic(), bm.num_blocks, bm.block_size,
+    return EngineSnapshot(bm.num_blocks, bm.block_size,
                           pool_picture(bm, scheduler.running + scheduler.waiting), tuple(seqs), num_inbox,
                           stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits, step)

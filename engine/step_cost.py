@@ -53,12 +53,11 @@ class StepCostModel:
 
     def __init__(self) -> None:
         self._samples: deque[tuple[list[float], float]] = deque(maxlen=WINDOW)
-        self.coef: np.ndarray | None = None
-        self._since_fit = 0
+        self.reset()
 
     def reset(self) -> None:
         self._samples.clear()
-        self.coef = None
+        self.coef: np.ndarray | None = None
         self._since_fit = 0
 
     def observe(self, shape: StepShape, ms: float) -> None:

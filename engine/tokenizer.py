@@ -11,6 +11,7 @@ from collections import deque
 from typing import Any
 
 from pagedserve.engine.errors import ModelLoadError
+from pagedserve.engine.machine import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,7 @@ def _gguf_tokenizer(path: str):
 
     st = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cache_root = os.environ.get("PAGEDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pagedserve"))
-    cached = os.path.join(cache_root, "tokenizers", key)
+    cached = str(cache_dir() / "tokenizers" / key)
     if os.path.isfile(os.path.join(cached, "tokenizer.json")):
         try:
             return AutoTokenizer.from_pretrained(cached)

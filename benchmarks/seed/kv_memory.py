@@ -27,7 +27,7 @@ from pagedserve.benchmarks.common import table  # noqa: E402
 from pagedserve.benchmarks.seed import common  # noqa: E402
 from pagedserve.engine import LLMEngine, SamplingParams, make_config  # noqa: E402
 from pagedserve.engine.block_manager import BlockManager  # noqa: E402
-from pagedserve.engine.config import ModelConfig, bundled_model_path, dtype_size  # noqa: E402
+from pagedserve.engine.config import ModelConfig, bundled_model_path  # noqa: E402
 from pagedserve.engine.model_runner import ModelRunner  # noqa: E402
 from pagedserve.engine.models.llama import LlamaModel  # noqa: E402
 from pagedserve.engine.models.loader import RANDOM_SHAPES, load_config  # noqa: E402
@@ -39,7 +39,7 @@ NUM_BLOCKS = 4  # a few blocks are enough to measure bytes per token
 
 
 def formula(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_size(dtype)
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 def engine_without_weights(shape: str, dtype: str) -> LLMEngine:

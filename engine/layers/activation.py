@@ -4,19 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from pagedserve.engine.layers.dispatch import KernelTable
+from pagedserve.engine.layers.dispatch import CppLayer
 
 
-class SiluAndMul(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.cpp = False  # engine/csrc/layer_ops.cpp (set by select_kernels)
-
-    def select_kernels(self, table: KernelTable, device: torch.device) -> None:
-        self.cpp = table.cpp and device.type == "cpu"
-
+class SiluAndMul(CppLayer):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.cpp:
             return torch.ops.pagedserve.silu_and_mul(gate_up)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from pagedserve.engine import cpu_kernels
 from pagedserve.engine.machine import cache_dir, cpu
@@ -77,8 +78,14 @@ class KernelTable:
     def prepacks(self, dtype: torch.dtype) -> bool:
         return self.prepack_bf16 if dtype == torch.bfloat16 else dtype == torch.float32 and self.prepack_fp32
 
-    def describe(self) -> str:
-        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+class CppLayer(nn.Module):
+    """A layer with a C++ form (engine/csrc/layer_ops.cpp), which it runs where the table says our kernels do."""
+
+    cpp = False
+
+    def select_kernels(self, table: KernelTable, device: torch.device) -> None:
+        self.cpp = table.cpp and device.type == "cpu"
 
 
 def parse_policy(text: str | None) -> dict[str, Any]:

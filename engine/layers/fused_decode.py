@@ -30,7 +30,7 @@ class FusedDecoder:
             return None
         layers, limit = [], 1 << 30
         for layer in model.layers:
-            ops = [m.fused_operands() for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+            ops = [m.fused_operands for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             if any(op is None for op in ops):
                 return None

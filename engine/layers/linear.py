@@ -77,7 +77,9 @@ class Linear(nn.Module):
         self.qweight: QuantWeight | None = None
         self.packed: torch.Tensor | None = None  # oneDNN's prepacked copy of the dense weight
         self.routes: tuple[Route, ...] = ()
-        self._fused: tuple[list[torch.Tensor], int] | None = None
+        # this projection's operands for the fused decode layer (engine/csrc/decode_layer.cpp) and the most rows it
+        # serves there; None where that layer has no kernel for it
+        self.fused_operands: tuple[list[torch.Tensor], int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -114,8 +116,8 @@ class Linear(nn.Module):
         if self.qweight is not None:
             self.routes = tuple(_quant_routes(self.qweight, self.bias, table, device, dtype, self.row_int8))
             ops = self.qweight.panel_operands() if ours else None
-            self._fused = None if ops is None else (ops + ([self.bias] if self.bias is not None else []),
-                                                    table.quant_gemv_max_rows)
+            self.fused_operands = None if ops is None else (ops + ([self.bias] if self.bias is not None else []),
+                                                            table.quant_gemv_max_rows)
             return
         if prepack and self.packed is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
@@ -131,12 +133,7 @@ class Linear(nn.Module):
         else:
             routes.append(Route(ANY, "F.linear", padded(lambda x: F.linear(x, w, b))))
         self.routes = tuple(routes)
-        self._fused = ([w] + ([b] if b is not None else []), table.fused_decode_max_rows) if our_gemv else None
-
-    def fused_operands(self) -> tuple[list[torch.Tensor], int] | None:
-        """This projection's operands for the fused decode layer (engine/csrc/decode_layer.cpp) and the most rows
-        it serves there; None where that layer has no kernel for it."""
-        return self._fused
+        self.fused_operands = ([w] + ([b] if b is not None else []), table.fused_decode_max_rows) if our_gemv else None
 
     def describe_routes(self) -> str:
         out, low = [], 1

@@ -6,18 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.engine.layers.dispatch import KernelTable
+from pagedserve.engine.layers.dispatch import CppLayer
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CppLayer):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.cpp = False  # engine/csrc/layer_ops.cpp (set by select_kernels)
-
-    def select_kernels(self, table: KernelTable, device: torch.device) -> None:
-        self.cpp = table.cpp and device.type == "cpu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpp and x.dim() == 2 and x.dtype == self.weight.dtype:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from pagedserve.engine.config import ModelConfig
-from pagedserve.engine.layers.dispatch import KernelTable
+from pagedserve.engine.layers.dispatch import CppLayer
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -51,7 +50,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CppLayer):
     """A precomputed fp32 cos/sin table indexed by position; `forward` gives a step's rows, which every layer
     shares, and `rotate` applies them."""
 
@@ -60,7 +59,6 @@ class RotaryEmbedding(nn.Module):
         self.cfg, self.max_positions = cfg, max_positions
         self.register_buffer("cos", torch.empty(max_positions, cfg.head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, cfg.head_dim), persistent=False)
-        self.cpp = False  # engine/csrc/layer_ops.cpp (set by select_kernels)
         self.build()
 
     def build(self) -> None:
@@ -72,9 +70,6 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.cat((freqs, freqs), dim=-1)
         self.cos = freqs.cos() * mscale
         self.sin = freqs.sin() * mscale
-
-    def select_kernels(self, table: KernelTable, device: torch.device) -> None:
-        self.cpp = table.cpp and device.type == "cpu"
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D] for this step's positions."""

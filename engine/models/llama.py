@@ -30,10 +30,6 @@ PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("
 # Hugging Face projection name -> (our module, piece index, number of pieces)
 PROJECTIONS = {hf: (ours, i, len(pieces)) for ours, pieces in PACKED_MODULES.items() for i, hf in enumerate(pieces)}
 PROJECTIONS |= {"o_proj": ("o_proj", 0, 1), "down_proj": ("down_proj", 0, 1)}
-# Under tensor parallelism (Megatron): these split their output rows (column-parallel) and these their input
-# columns (row-parallel; an all-reduce sums the ranks' partial outputs)
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 class Attention(nn.Module):

@@ -121,7 +121,7 @@ def build_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     table = table or kernel_table(device, dtype)
     kind = model_source(path)
     start, resident = time.perf_counter(), resident_bytes()
-    quantized = gguf_quantized_names(path, cfg) if kind == "gguf" else set()
+    quantized = gguf_quantized_names(path) if kind == "gguf" else set()
     if quant is not None and quant.format == "auto" and not quantized:
         quant = None  # auto on float weights: dense
     with torch.device("meta"):  # no throw-away default init: every parameter is written below
@@ -138,7 +138,7 @@ def build_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     else:
         weights = checkpoint_tensors(path, cfg, raw=quant is not None)
         if quant is not None:
-            group = quant_loading.resolve_group_size(quant, model, kind == "gguf" and gguf_has_q4(path),
+            group = quant_loading.resolve_group_size(quant, model, gguf_has_q4(path),
                                                      1 if tp is None else tp.size)
             weights = quant_loading.quantized_stream(model, weights, quant, group, dtype, device, table)
         model.load_weights(weights)
@@ -235,7 +235,6 @@ def _gguf_config(reader: GGUFFile) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm=arch == "qwen3",
-        bos_token_id=field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
     )
 
@@ -247,7 +246,8 @@ def _unpermute_llama(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_has_q4(path: str) -> bool:
-    return any(t.tensor_type.name in ("Q4_0", "Q4_1") for t in _gguf_reader(path).tensors)
+    return model_source(path) == "gguf" and any(t.tensor_type.name in ("Q4_0", "Q4_1")
+                                                for t in _gguf_reader(path).tensors)
 
 
 def _block_quantized(t) -> bool:
@@ -261,7 +261,7 @@ def _hf_name(gguf_name: str) -> str:
     raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
 
 
-def gguf_quantized_names(path: str, cfg: ModelConfig) -> set[str]:
+def gguf_quantized_names(path: str) -> set[str]:
     """HF names (without "model.") of the GGUF's block-quantized matrices."""
     return {_hf_name(t.name).removeprefix("model.") for t in _gguf_reader(path).tensors
             if t.name != "rope_freqs.weight" and _block_quantized(t)}

@@ -26,11 +26,7 @@ CONNECT_TIMEOUT_S = 300.0  # ranks of other nodes may be started a while after n
 
 
 def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
-    """Raise ValueError (one line) where `cfg` cannot be split `size` ways: Megatron splits whole heads."""
-    if size < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
-    if size == 1:
-        return
+    """Raise ValueError (one line) where `cfg` cannot be split `size` (>= 1) ways: Megatron splits whole heads."""
     if cfg.num_heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the model's {cfg.num_heads} attention heads")
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:

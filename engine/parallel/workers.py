@@ -14,6 +14,7 @@ way rank 0 raises `WorkerFailedError` naming the rank, and the engine stops (the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -205,11 +206,9 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection | 
     except BaseException:  # noqa: BLE001 - reported to rank 0, then this rank ends
         text = traceback.format_exc()
         logger.error("tensor-parallel rank %d failed:\n%s", spec.rank, text)
-        try:
-            if conn is not None:
+        if conn is not None:
+            with contextlib.suppress(OSError):
                 conn.send(("error", text))
-        except OSError:
-            pass
         os._exit(1)  # no interpreter teardown: a broken process group may block in its destructor
     os._exit(0)
 
@@ -320,11 +319,9 @@ class WorkerGroup:
     def _describe(self, i: int, text: str | None = None) -> str:
         proc, conn = self.procs[i], self.conns[i]
         if text is None:
-            try:
+            with contextlib.suppress(EOFError, OSError):
                 if conn.poll(0.5):
                     kind, text = conn.recv()
-            except (EOFError, OSError):
-                pass
         last = f": {text.strip().splitlines()[-1]}" if text else ""
         if proc is None:
             how = "failed" if text else "closed its connection (died, or its node stopped)"
@@ -413,10 +410,8 @@ def _shut_down(procs: list, conns: list, shm_name: str | None) -> None:
     if shm_name is not None:  # normally unlinked once every rank mapped it; not if start-up failed before then
         shm_all_reduce.unlink_segment(shm_name)
     for conn in conns:
-        try:
+        with contextlib.suppress(OSError):
             conn.send_bytes(pickle.dumps(None))
-        except OSError:
-            pass
     procs = [p for p in procs if p is not None]  # another node's ranks exit on the None (or on EOF)
     deadline = time.monotonic() + CLOSE_TIMEOUT_S
     for proc in procs:

@@ -22,8 +22,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-import torch
-
 from pagedserve.engine.config import bundled_text_path
 from pagedserve.engine.quant.formats import FORMATS
 
@@ -130,15 +128,11 @@ def evaluate(llm, text_ids: list[int], prompts: list[list[int]], reference_paths
     step("agreement")
     agreement = None
     if reference_paths is not None:  # teacher-forced: same prefix, does our top-1 match the reference's token?
-        forced = [p + r for p, r in zip(prompts, reference_paths)]
-        outs = llm.generate(forced, SamplingParams(max_tokens=0, prompt_logprobs=1))
-        same = total = 0
-        for p, r, o in zip(prompts, reference_paths, outs):
-            for j, tok in enumerate(r):
-                entry = o.prompt_logprobs[len(p) + j]
-                same += entry.top[0][0] == tok
-                total += 1
-        agreement = (same, total)
+        outs = llm.generate([p + r for p, r in zip(prompts, reference_paths)],
+                            SamplingParams(max_tokens=0, prompt_logprobs=1))
+        same = [o.prompt_logprobs[len(p) + j].top[0][0] == tok
+                for p, r, o in zip(prompts, reference_paths, outs) for j, tok in enumerate(r)]
+        agreement = (sum(same), len(same))
     return ppl, score, paths, agreement
 
 
@@ -148,7 +142,7 @@ def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtyp
 
     from pagedserve.engine.config import bundled_model_path
     from pagedserve.engine.llm import LLM
-    from pagedserve.engine.models.loader import weight_bytes
+    from pagedserve.engine.models.loader import gguf_has_q4, weight_bytes
     from pagedserve.engine.quant.loading import QuantSpec, resolve_group_size
 
     model_path = model or bundled_model_path()
@@ -181,12 +175,12 @@ def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtyp
         sizes = weight_bytes(llm.engine.runner.model)
         if fmt == "none":
             reference_paths = paths
-            bits = 8.0 * torch.empty((), dtype=llm.engine.dtype).element_size()
+            bits = 8.0 * llm.engine.dtype.itemsize
             err_mean = err_max = 0.0
             agreement, positions = 1.0, sum(len(p) for p in paths)
         else:
             group = resolve_group_size(QuantSpec(fmt, group_size), llm.engine.runner.model,
-                                       _gguf_has_q4(model_path))
+                                       gguf_has_q4(model_path))
             err_mean, err_max, bits = weight_errors(model_path, fmt, group)
             agreement, positions = agree[0] / agree[1], agree[1]
         row = Row(fmt, round(bits, 4), round(sum(sizes.values()) / 2**20, 2), round(err_mean, 5), round(err_max, 5),
@@ -199,12 +193,6 @@ def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtyp
     bar.update(1)
     bar.close()
     return rows
-
-
-def _gguf_has_q4(path: str) -> bool:
-    from pagedserve.engine.models import loader
-
-    return loader.model_source(path) == "gguf" and loader.gguf_has_q4(path)
 
 
 def format_table(rows: list[Row], tokens: int) -> str:

@@ -30,9 +30,7 @@ class NgramProposer(Proposer):
     min) in its own prompt + output, and propose what followed it. No model; wins where the output quotes
     or edits the input."""
 
-    def __init__(self, min_n: int, max_n: int) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n}, {max_n}")
+    def __init__(self, min_n: int, max_n: int) -> None:  # 1 <= min_n <= max_n (EngineConfig checks)
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:

@@ -78,13 +78,10 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, max_gamma: int, cost: StepCostModel | None = None,
-                 adaptive: bool = True) -> None:
-        if max_gamma < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {max_gamma}")
+    def __init__(self, proposer: Proposer, max_gamma: int, cost: StepCostModel | None = None) -> None:
         self.proposer = proposer
-        self.max_gamma = max_gamma
-        self.adaptive = adaptive
+        self.max_gamma = max_gamma  # >= 1 (EngineConfig checks)
+        self.adaptive = True  # tests and benchmarks switch it off to draft at every step
         self.stats = SpecStats(accepted_per_pos=[0] * max_gamma)
         self.cost = cost or StepCostModel()  # the engine's, fed every step's time
         self.draft_cost = 0.0  # c: seconds per draft round / seconds per target step (decayed mean)
