@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.resources
 import logging
 import threading
@@ -13,10 +14,10 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -121,7 +122,7 @@ class ServerState:
             raise APIError(503, "the model is still loading", "service_unavailable", code="engine_loading",
                            headers={"Retry-After": "5"})
         if not self.engine.alive:
-            raise engine_dead()
+            raise engine_dead(EngineDeadError())
         return self.engine
 
 
@@ -161,12 +162,15 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
         if state.engine is not None:
             state.engine.shutdown()
 
-    app = FastAPI(title="pagedserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None, description="An OpenAI-compatible LLM server: /v1/chat/completions, "
-                  "/v1/completions, /v1/models; /health, /metrics; /v1/engine/state (the live view's data); a chat "
-                  "page and a live view of the engine at / and /dashboard.")
+    # FastAPIOffline serves /docs from the package's own Swagger UI files (no CDN), like every route behind the API key
+    # when there is one; /openapi.json is FastAPI's route over our document
+    app = FastAPIOffline(title="pagedserve", version="0.1.0", lifespan=lifespan, redoc_url=None,
+                         static_url="/docs/assets",
+                         description="An OpenAI-compatible LLM server: /v1/chat/completions, "
+                         "/v1/completions, /v1/models; /health, /metrics; /v1/engine/state (the live view's data); "
+                         "a chat page and a live view of the engine at / and /dashboard.")
+    app.openapi = functools.cache(functools.partial(openapi_document, app))
     app.state.pagedserve = state
-    document = None
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
     app.add_middleware(ApiKeyAuth, keys=config.api_keys())  # outermost: no body is read for a bad key
 
@@ -233,7 +237,7 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
         try:
             snap = await aeng.snapshot(STATE_TIMEOUT_S)
         except EngineDeadError as e:
-            raise engine_dead() from e
+            raise engine_dead(e) from e
         except asyncio.TimeoutError as e:  # one step longer than this: a huge prefill chunk on a slow machine
             raise APIError(503, f"the engine did not finish its step within {STATE_TIMEOUT_S:g} s",
                            "service_unavailable", code="engine_busy", headers={"Retry-After": "1"}) from e
@@ -249,22 +253,6 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_generation(CompletionResponse))
     async def completions(body: CompletionRequest, raw: Request):
         return _respond(await serving.generate(CompletionEndpoint, body, raw))
-
-    # ---- the API's own documents, served from the package (no CDN), behind the API key when there is one ----
-    @app.get("/openapi.json", include_in_schema=False)
-    async def openapi():
-        nonlocal document
-        document = document or openapi_document(app)
-        return JSONResponse(document)
-
-    @app.get("/docs", include_in_schema=False)
-    async def docs():
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="pagedserve API",
-                                   swagger_js_url="/docs/assets/swagger-ui-bundle.js",
-                                   swagger_css_url="/docs/assets/swagger-ui.css",
-                                   swagger_favicon_url="/docs/assets/favicon.png")
-
-    app.mount("/docs/assets", StaticFiles(directory=str(importlib.resources.files("fastapi_offline") / "static")))
 
     # ---- the page: a chat playground and the live view, from files in the package (no CDN, no build step) ---
     # Open to all, like /health: it holds no data; what it shows comes from /v1/*, with the key the user gives it.

@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import logging
 import os
 import socket
 import sys
 import typing
 
+# subcommands with their own argument lists: the load tester, the quality harness, the memory planner
+SUBPROGRAMS = {"bench": "pagedserve.benchmarks.serve", "eval": "pagedserve.engine.quant.eval",
+               "plan": "pagedserve.engine.quant.plan"}
 
 def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
     """Flags for every `opt(...)` field of a config dataclass: names, types, defaults and help come from there."""
@@ -222,12 +226,9 @@ def cmd_chat(args: argparse.Namespace) -> None:
         except KeyboardInterrupt:  # closing the stream aborts the request on the server
             reply.append(" [stopped]")
             sys.stdout.write(" [stopped]")
-        except openai.APIConnectionError:
-            print(f"\n[the server at {args.base_url} went away]")
-            history.pop()
-            continue
         except openai.APIError as e:
-            print(f"\n[error: {getattr(e, 'status_code', '')} {e.message}]")
+            print(f"\n[the server at {args.base_url} went away]" if isinstance(e, openai.APIConnectionError)
+                  else f"\n[error: {getattr(e, 'status_code', '')} {e.message}]")
             history.pop()
             continue
         sys.stdout.write("\n")
@@ -236,18 +237,10 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "bench":  # the load tester owns its whole argument list
-        from pagedserve.benchmarks.serve import main as bench_main
-
-        bench_main(argv[1:])
-        return
-    if argv and argv[0] in ("eval", "plan"):  # quality harness / memory planner: their own argument lists
-        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        if argv[0] == "eval":
-            from pagedserve.engine.quant.eval import main as sub_main
-        else:
-            from pagedserve.engine.quant.plan import main as sub_main
-        sub_main(argv[1:])
+    if argv and argv[0] in SUBPROGRAMS:  # each owns its whole argument list; imported only when run
+        if argv[0] != "bench":
+            logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        importlib.import_module(SUBPROGRAMS[argv[0]]).main(argv[1:])
         return
     ap = argparse.ArgumentParser(prog="pagedserve", description="A small, fast LLM serving engine.")
     sub = ap.add_subparsers(dest="command", required=True)

@@ -65,9 +65,8 @@ class Percentiles(BaseModel):
     def of(cls, values: list[float], scale: float = 1e3) -> Percentiles:
         if not values:
             return cls(count=0)
-        if len(values) == 1:
-            return cls(count=1, p50=values[0] * scale, p90=values[0] * scale, p99=values[0] * scale)
-        q = statistics.quantiles(values, n=100, method="inclusive")
+        # (statistics.quantiles needs two values; of one value twice, every percentile is that value)
+        q = statistics.quantiles(values * 2 if len(values) == 1 else values, n=100, method="inclusive")
         return cls(count=len(values), p50=q[49] * scale, p90=q[89] * scale, p99=q[98] * scale)
 
 

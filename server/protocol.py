@@ -147,16 +147,12 @@ class CalledFunction(BaseModel):
 class CalledTool(BaseModel):
     """A past tool call in an assistant message."""
 
-    model_config = ConfigDict(extra="ignore")
-
     id: str | None = None
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None

@@ -88,9 +88,7 @@ def invalid(e: InvalidRequestError, prompt_param: str) -> APIError:
                     code=e.code)
 
 
-def engine_dead(e: EngineDeadError | None = None) -> APIError:
-    if e is None:
-        return APIError(503, ENGINE_DEAD, "service_unavailable", code="engine_dead")
+def engine_dead(e: EngineDeadError) -> APIError:
     return APIError(503, e.public_message or ENGINE_DEAD, "service_unavailable", code=e.code)
 
 
@@ -145,8 +143,7 @@ class Endpoint(ABC):
 
     param: str  # the body field a prompt that is too long is blamed on
     chunk_cls: type  # the model of its streamed chunks
-    id_prefix = "req"
-
+    id_prefix: str  # of the response's id
     def __init__(self, body, model_name: str) -> None:
         self.body, self.model_name = body, model_name
         self.tokenizer = None  # the engine's, once admitted
@@ -172,17 +169,12 @@ class Endpoint(ABC):
         """A response or chunk of model `cls`: the choices, with the id, created time and model every one carries."""
         return cls(id=self.id, created=self.created, model=self.model_name, choices=choices, usage=usage)
 
-    def usage_chunk(self, usage: Usage):
-        """The last chunk, `choices: []` and the usage (stream_options.include_usage)."""
-        return self.envelope(self.chunk_cls, [], usage)
-
     def params(self, max_tokens: int | None, logprobs: int | None, index: int, salt: str | None, spec=None,
                prompt_logprobs: int | None = None) -> SamplingParams:
         b = self.body
-        seed = None
-        if b.seed is not None:  # n choices differ but stay reproducible; wrap to stay a valid 64-bit seed
-            seed = b.seed + index
-            seed = seed - 2**64 if seed >= 2**64 else seed
+        seed = None if b.seed is None else b.seed + index  # n choices differ but stay reproducible
+        if seed is not None and seed >= 2**64:  # wrapped to stay a valid 64-bit seed (negative seeds are valid)
+            seed -= 2**64
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if b.temperature is None else b.temperature,
             top_p=1.0 if b.top_p is None else b.top_p, top_k=b.top_k or 0, seed=seed, stop=b.stop or [],
@@ -190,9 +182,6 @@ class Endpoint(ABC):
             frequency_penalty=b.frequency_penalty, logprobs=logprobs, cache_salt=salt,
             prompt_logprobs=prompt_logprobs, structured=spec, logit_bias=logit_bias(b),
             allowed_token_ids=b.allowed_token_ids)
-
-    def piece(self, token_id: int) -> str:
-        return self.text([token_id])
 
     def text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else " ".join(map(str, token_ids))
@@ -208,19 +197,25 @@ class Serving:
     disconnect_poll_s: float
 
     async def generate(self, endpoint_cls: type[Endpoint], body, raw: Request):
-        """The response model, or an async iterator of chunks (JSON strings, then "[DONE]") to stream."""
+        """The response model, or an async iterator of chunks (JSON strings, then "[DONE]") to stream. The engine's
+        refusals become API errors here; once a stream has begun, `stream` reports them as events."""
         endpoint = endpoint_cls(body, self.model_name)
-        aeng = self.admit(body, endpoint.count(), "n" if body.n > 1 else endpoint.param)
-        endpoint.tokenizer = aeng.engine.tokenizer
-        salt = self.cache_salt(body, raw)
-        built = await self.build(aeng, endpoint, salt)
-        streams = self.submit(aeng, built, endpoint.param, tenant(raw))
-        await self.wait_started(aeng, streams, raw)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self.stream(endpoint, built, streams, include_usage)
-        outs = await self.collect(streams, raw)
-        return endpoint.response(built, outs)
+        try:
+            aeng = self.admit(body, endpoint.count(), "n" if body.n > 1 else endpoint.param)
+            endpoint.tokenizer = aeng.engine.tokenizer
+            built = await self.build(aeng, endpoint, self.cache_salt(body, raw))
+            streams = self.submit(aeng, built, tenant(raw))
+            await self.wait_started(aeng, streams, raw)
+            if body.stream:
+                return self.stream(endpoint, built, streams,
+                                   bool(body.stream_options and body.stream_options.include_usage))
+            return endpoint.response(built, await self.collect(streams, raw))
+        except OverloadedError as e:
+            raise overloaded(e) from e
+        except EngineDeadError as e:
+            raise engine_dead(e) from e
+        except InvalidRequestError as e:
+            raise invalid(e, endpoint.param) from e
 
     # ---- admit ------------------------------------------------------------------------------------------
     def admit(self, body, count: int, param: str) -> AsyncEngine:
@@ -239,20 +234,16 @@ class Serving:
             for _ in range(count):
                 aeng.reserve()
                 reserved += 1
-        except OverloadedError as e:
+        except OverloadedError:
             for _ in range(reserved):
                 aeng.release()
-            raise overloaded(e) from e
-        except EngineDeadError as e:
-            raise engine_dead(e) from e
+            raise
         return aeng
 
     def cache_salt(self, body, raw: Request) -> str | None:
         """The request's prefix-cache namespace: its API key's (when namespacing per key) and its own cache_salt."""
         key = tenant(raw) if self.prefix_cache_per_key else None
-        if key is None:
-            return body.cache_salt
-        return f"key:{key}\x00{body.cache_salt or ''}"
+        return body.cache_salt if key is None else f"key:{key}\x00{body.cache_salt or ''}"
 
     # ---- build ------------------------------------------------------------------------------------------
     async def build(self, aeng: AsyncEngine, endpoint: Endpoint, salt: str | None) -> Built:
@@ -262,14 +253,12 @@ class Serving:
         except BaseException as e:
             for _ in range(endpoint.count()):
                 aeng.release()
-            if isinstance(e, InvalidRequestError):
-                raise invalid(e, endpoint.param) from e
-            if isinstance(e, ValueError):
+            if isinstance(e, ValueError) and not isinstance(e, InvalidRequestError):
                 raise APIError(400, str(e), param=endpoint.param) from e
             raise
 
     # ---- submit -----------------------------------------------------------------------------------------
-    def submit(self, aeng: AsyncEngine, built: Built, param: str, owner: str | None = None) -> list[RequestStream]:
+    def submit(self, aeng: AsyncEngine, built: Built, owner: str | None = None) -> list[RequestStream]:
         """One reserved engine request per job, or none: every reservation is consumed or released. All jobs are
         validated first, so a bad one leaves nothing behind in the engine. `owner`: the API key's id, if any."""
         streams: list[RequestStream] = []
@@ -281,15 +270,11 @@ class Serving:
             for i, (ids, params) in enumerate(built.jobs):
                 attempts += 1
                 streams.append(aeng.submit(f"{base}-{i}", ids, params, owner))
-        except BaseException as e:
+        except BaseException:
             for s in streams:
                 s.close()
             for _ in range(len(built.jobs) - attempts):
                 aeng.release()
-            if isinstance(e, OverloadedError):
-                raise overloaded(e) from e
-            if isinstance(e, InvalidRequestError):
-                raise invalid(e, param) from e
             raise
         return streams
 
@@ -299,30 +284,23 @@ class Serving:
         sent only after this, so that answer is still possible."""
         bound = aeng.limits.max_queue_wait_s
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + bound if bound else None
+        deadline = loop.time() + bound if bound else math.inf
         waiters = [asyncio.ensure_future(s.wait_started()) for s in streams]
         try:
             while pending := [w for w in waiters if not w.done()]:
-                if deadline is not None and loop.time() >= deadline:
+                if loop.time() >= deadline:
                     wait = aeng.expected_wait()  # a retry is welcome once the queue ahead would start in time
-                    raise overloaded(OverloadedError(
-                        f"server overloaded: not started within {bound:g} s (--max-queue-wait-s)",
-                        aeng.retry_after(None if wait is None else wait - bound), "queue_wait"))
-                timeout = self.disconnect_poll_s if deadline is None else \
-                    min(self.disconnect_poll_s, deadline - loop.time())
-                await asyncio.wait(pending, timeout=max(timeout, 0), return_when=asyncio.FIRST_COMPLETED)
+                    raise OverloadedError(f"server overloaded: not started within {bound:g} s (--max-queue-wait-s)",
+                                          aeng.retry_after(None if wait is None else wait - bound), "queue_wait")
+                await asyncio.wait(pending, timeout=max(0, min(self.disconnect_poll_s, deadline - loop.time())),
+                                   return_when=asyncio.FIRST_COMPLETED)
                 if await raw.is_disconnected():
                     raise APIError(499, "client disconnected", "client_closed_request")
-            for w in waiters:  # ended before it started: refused by every replica, or its replica died twice
-                if (e := w.exception()) is not None:
-                    raise e
-        except BaseException as e:
+            # a request that ended before it started (refused by every replica, or its replica died twice) raises
+            await asyncio.gather(*waiters)
+        except BaseException:
             for s in streams:
                 s.close()
-            if isinstance(e, OverloadedError):
-                raise overloaded(e) from e
-            if isinstance(e, EngineDeadError):
-                raise engine_dead(e) from e
             raise
         finally:
             for w in waiters:
@@ -344,8 +322,6 @@ class Serving:
                 if not task.done() and await raw.is_disconnected():
                     raise APIError(499, "client disconnected", "client_closed_request")
             task.result()
-        except EngineDeadError as e:
-            raise engine_dead(e) from e
         finally:
             task.cancel()  # a no-op once done; closing the streams aborts the requests (metrics count "abort")
             for s in streams:
@@ -367,7 +343,7 @@ class Serving:
             async for chunk in endpoint.stream(built, tracked()):
                 yield chunk.model_dump_json()
             if include_usage:
-                yield endpoint.usage_chunk(usage(built, outs)).model_dump_json()
+                yield endpoint.envelope(endpoint.chunk_cls, [], usage(built, outs)).model_dump_json()  # choices: []
         except EngineDeadError as e:
             yield json.dumps(engine_dead(e).body())
         except InvalidRequestError as e:
@@ -438,7 +414,7 @@ class ChatEndpoint(Endpoint):
 
     def logprobs(self, lps: list[TokenLogprob]) -> list[TokenLogprobEntry]:
         def top(tok: int, lp: float) -> TopLogprob:
-            s = self.piece(tok)
+            s = self.text([tok])
             return TopLogprob(token=s, logprob=lp, bytes=list(s.encode("utf-8")))
 
         return [TokenLogprobEntry(**top(x.token_id, x.logprob).model_dump(),
@@ -513,11 +489,11 @@ class CompletionEndpoint(Endpoint):
         return Built(jobs, total, prompt_groups=len(prompts), echo=echo)
 
     def logprobs(self, lps: list[TokenLogprob], start: int = 0) -> CompletionLogprobs:
-        tokens = [self.piece(x.token_id) for x in lps]
+        tokens = [self.text([x.token_id]) for x in lps]
         offsets = list(accumulate(map(len, tokens), initial=start))[:-1]  # where each token starts
         return CompletionLogprobs(
             tokens=tokens, token_logprobs=[x.logprob for x in lps], text_offset=offsets,
-            top_logprobs=[None if x.top is None else {self.piece(t): v for t, v in x.top} for x in lps])
+            top_logprobs=[None if x.top is None else {self.text([t]): v for t, v in x.top} for x in lps])
 
     @staticmethod
     def with_prompt(prompt_ids: list[int], prompt_lps, lps: list[TokenLogprob]) -> list:

@@ -21,15 +21,10 @@ def structured_spec(body: Any) -> StructuredSpec | None:
         # strict: a keyword the grammar engine cannot enforce is an error; otherwise it is ignored
         specs.append(("response_format", StructuredSpec("json_schema", rf.json_schema.schema_,
                                                         strict=bool(rf.json_schema.strict))))
-    if body.guided_json is not None:
-        specs.append(("guided_json", StructuredSpec("json_schema", body.guided_json, strict=False,
-                                                    param="guided_json")))
-    if body.guided_regex is not None:
-        specs.append(("guided_regex", StructuredSpec("regex", body.guided_regex, param="guided_regex")))
-    if body.guided_choice is not None:
-        specs.append(("guided_choice", StructuredSpec("choice", body.guided_choice, param="guided_choice")))
-    if body.guided_grammar is not None:
-        specs.append(("guided_grammar", StructuredSpec("grammar", body.guided_grammar, param="guided_grammar")))
+    for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        if (value := getattr(body, name)) is not None:  # vLLM's guided_json ignores what it cannot enforce
+            specs.append((name, StructuredSpec(kind, value, strict=kind != "json_schema", param=name)))
     if len(specs) > 1:
         raise InvalidRequestError(f"give at most one output constraint; got {', '.join(n for n, _ in specs)}",
                                   specs[1][0])
