@@ -122,7 +122,8 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, max_len, self.structured)
         self._requests: dict[str, RequestState] = {}
-        self._inbox: list[tuple[str, object]] = []
+        self._adds: list[Sequence] = []  # since the last step (the inbox), under _lock
+        self._aborts: list[str] = []
         self._lock = threading.Lock()
         self._seq_ids = itertools.count()
         self.num_steps = 0  # steps that ran a batch
@@ -233,13 +234,13 @@ class LLMEngine:
             if request_id in self._requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
             self._requests[request_id] = req
-            self._inbox.append(("add", seq))
+            self._adds.append(seq)
         return len(ids)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             if request_id in self._requests:
-                self._inbox.append(("abort", request_id))
+                self._aborts.append(request_id)
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -252,11 +253,11 @@ class LLMEngine:
         The inbox moves into the scheduler under the same lock, so no request is ever counted in neither.
         """
         with self._lock:
-            return sum(1 for op, _ in self._inbox if op == "add") + self.scheduler.num_waiting
+            return len(self._adds) + len(self.scheduler.waiting)
 
     @property
     def num_running(self) -> int:
-        return self.scheduler.num_running
+        return len(self.scheduler.running)
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -318,17 +319,14 @@ class LLMEngine:
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
-            inbox, self._inbox = self._inbox, []
-            for op, item in inbox:  # an abort follows its add in the inbox, so adding all first is safe
-                if op == "add":
-                    self.scheduler.add(item)
+            for seq in self._adds:  # an abort follows its add, so adding all first is safe
+                self.scheduler.add(seq)
+            aborts, self._adds, self._aborts = self._aborts, [], []
         outputs = []
-        for op, item in inbox:
-            if op == "abort":
-                seq = self.scheduler.abort(item)
-                if seq is not None:
-                    outputs.append(self.output_processor.final(self._requests[item]))
-                    self._forget(seq)
+        for request_id in aborts:
+            if (seq := self.scheduler.abort(request_id)) is not None:
+                outputs.append(self.output_processor.final(self._requests[request_id]))
+                self._forget(seq)
         return outputs
 
     def _forget(self, seq: Sequence) -> None:
@@ -341,12 +339,12 @@ class LLMEngine:
         """Who holds which KV blocks and what the last step did (counts and ids only). Only from the thread that
         steps, between steps (AsyncEngine.snapshot asks its loop for one)."""
         with self._lock:
-            inbox = sum(1 for op, _ in self._inbox if op == "add")
-        return take_snapshot(self.scheduler, inbox, self.last_step)
+            num_inbox = len(self._adds)
+        return take_snapshot(self.scheduler, num_inbox, self.last_step)
 
     def stats(self) -> EngineStats:
         """The engine's state now. Any thread (counters read without the engine lock: a snapshot, not a fence)."""
         s = self.scheduler.stats
-        return EngineStats(self.scheduler.num_running, self.num_waiting, self.block_manager.usage(),
+        return EngineStats(self.num_running, self.num_waiting, self.block_manager.usage(),
                            s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits,
                            self.speculator.stats if self.speculator is not None else None)

@@ -79,30 +79,19 @@ class Scheduler:
         for queue in (self.waiting, self.running):
             for seq in queue:
                 if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self.block_manager.free(seq)
-                    seq.status = SequenceStatus.FINISHED_ABORTED
-                    seq.finish_time = time.monotonic()
+                    self.finish(seq, SequenceStatus.FINISHED_ABORTED, queue)
                     return seq
         return None
 
-    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """End a running sequence (EOS, stop string, length) and release its blocks."""
-        self.running.remove(seq)
+    def finish(self, seq: Sequence, status: SequenceStatus, queue: list[Sequence] | None = None) -> None:
+        """End a running sequence (EOS, stop string, length), or abort one of `queue`, and release its blocks."""
+        (self.running if queue is None else queue).remove(seq)
         self.block_manager.free(seq)
         seq.status = status
         seq.finish_time = time.monotonic()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
 
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

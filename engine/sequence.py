@@ -16,11 +16,6 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                        SequenceStatus.FINISHED_ABORTED)
-
 
 @dataclass(slots=True)
 class Sequence:
@@ -77,7 +72,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status is not SequenceStatus.WAITING and self.status is not SequenceStatus.RUNNING
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
@@ -87,9 +82,7 @@ class Sequence:
     def check_stop_token(self) -> SequenceStatus | None:
         """Finish on EOS / stop token ids / max_tokens, after a token was appended."""
         last = self.token_ids[-1]
-        if not self.params.ignore_eos and last in self.eos_token_ids:
-            return SequenceStatus.FINISHED_STOPPED
-        if last in self.params.stop_token_ids:
+        if (not self.params.ignore_eos and last in self.eos_token_ids) or last in self.params.stop_token_ids:
             return SequenceStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens:
             return SequenceStatus.FINISHED_LENGTH

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedserve.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
@@ -201,58 +201,46 @@ class CompletionRequest(_Request):
 
 
 # ---- responses ------------------------------------------------------------------------------------------------
-class _Response(BaseModel):
-    """Fields named in `_omit_if_none` are left out when None, as OpenAI leaves them out; every other field is
-    always present (`finish_reason: null` in a chunk, `logprobs: null`)."""
-
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset()
-
-    @model_serializer(mode="wrap")
-    def _omit(self, handler):
-        data = handler(self)
-        for key in self._omit_if_none:
-            if data.get(key) is None:
-                data.pop(key, None)
-        return data
+# A field defaulting to OMIT is left out of the JSON when None, as OpenAI leaves it out; every other field is always
+# present (`finish_reason: null` in a chunk, `logprobs: null`).
+OMIT = Field(None, exclude_if=lambda v: v is None)
 
 
-class CompletionTokensDetails(_Response):
+class CompletionTokensDetails(BaseModel):
     accepted_prediction_tokens: int
     rejected_prediction_tokens: int
 
 
-class PromptTokensDetails(_Response):
+class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
-class Usage(_Response):
-    _omit_if_none = frozenset({"completion_tokens_details", "prompt_tokens_details"})
+class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-    completion_tokens_details: CompletionTokensDetails | None = None  # speculative decoding's drafts, if any
+    prompt_tokens_details: PromptTokensDetails | None = OMIT
+    completion_tokens_details: CompletionTokensDetails | None = OMIT  # speculative decoding's drafts, if any
 
 
-class ToolCallFunction(_Response):
+class ToolCallFunction(BaseModel):
     name: str
     arguments: str
 
 
-class ToolCall(_Response):
+class ToolCall(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class AssistantMessage(_Response):
-    _omit_if_none = frozenset({"tool_calls"})
+class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCall] | None = OMIT
 
 
-class TopLogprob(_Response):
+class TopLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int]
@@ -262,53 +250,55 @@ class TokenLogprobEntry(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
-class ChatLogprobs(_Response):
+class ChatLogprobs(BaseModel):
     content: list[TokenLogprobEntry]
 
 
-class ChatChoice(_Response):
+class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
 
 
-class ChatCompletionResponse(_Response):
+class _Envelope(BaseModel):
+    """What every response and chunk carries; a subclass narrows `object` and `choices` (they keep their place)."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int
     model: str
+    choices: list[Any]
+    usage: Usage | None = OMIT
+
+
+class ChatCompletionResponse(_Envelope):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
 
 
-class ChatDelta(_Response):
+class ChatDelta(BaseModel):
     """A streamed piece: the first has the role, content pieces follow, tool calls stream as they are written."""
 
-    _omit_if_none = frozenset({"role", "content", "tool_calls"})
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    role: Literal["assistant"] | None = OMIT
+    content: str | None = OMIT
+    tool_calls: list[dict[str, Any]] | None = OMIT
 
 
-class ChatChunkChoice(_Response):
+class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(_Response):
-    _omit_if_none = frozenset({"usage"})
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
-class CompletionLogprobs(_Response):
+class CompletionLogprobs(BaseModel):
     """OpenAI's legacy shape; an echoed first prompt token has null logprob and null top_logprobs."""
 
     tokens: list[str]
@@ -317,24 +307,19 @@ class CompletionLogprobs(_Response):
     text_offset: list[int]
 
 
-class CompletionChoice(_Response):
+class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
 
 
-class CompletionResponse(_Response):
-    _omit_if_none = frozenset({"usage"})
-    id: str
+class CompletionResponse(_Envelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
 
 
-class ModelCard(_Response):
+class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -343,7 +328,7 @@ class ModelCard(_Response):
     max_model_len: int
 
 
-class ModelList(_Response):
+class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 

@@ -142,6 +142,7 @@ class Endpoint(ABC):
     """What one route does differently; the pipeline in `Serving.generate` does the rest."""
 
     param: str  # the body field a prompt that is too long is blamed on
+    response_cls: type  # the model of its response
     chunk_cls: type  # the model of its streamed chunks
     id_prefix: str  # of the response's id
     def __init__(self, body, model_name: str) -> None:
@@ -158,8 +159,13 @@ class Endpoint(ABC):
         """Prompt ids and sampling params per choice (in a worker thread). Raises InvalidRequestError."""
 
     @abstractmethod
+    def choice(self, built: Built, i: int, out: Collected):
+        """Choice `i` of the non-streamed response."""
+
     def response(self, built: Built, outs: list[Collected]):
         """The non-streamed response."""
+        return self.envelope(self.response_cls, [self.choice(built, i, o) for i, o in enumerate(outs)],
+                             usage(built, outs))
 
     @abstractmethod
     def stream(self, built: Built, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[Any]:
@@ -394,7 +400,7 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
 # ---- /v1/chat/completions -----------------------------------------------------------------------------------
 class ChatEndpoint(Endpoint):
     param = "messages"
-    chunk_cls = ChatCompletionChunk
+    response_cls, chunk_cls = ChatCompletionResponse, ChatCompletionChunk
     id_prefix = "chatcmpl"
 
     def build(self, engine, salt: str | None) -> Built:
@@ -420,18 +426,12 @@ class ChatEndpoint(Endpoint):
         return [TokenLogprobEntry(**top(x.token_id, x.logprob).model_dump(),
                                   top_logprobs=[top(t, v) for t, v in x.top]) for x in lps]
 
-    def response(self, built: Built, outs: list[Collected]) -> ChatCompletionResponse:
-        choices = []
-        for i, o in enumerate(outs):
-            message, finish = AssistantMessage(content=o.text), o.finish_reason
-            if built.tools_on:
-                content, calls = parse_tool_calls(o.text)
-                if calls:
-                    message = AssistantMessage(content=content, tool_calls=calls)
-                    finish = "tool_calls" if finish == "stop" else finish
-            lps = ChatLogprobs(content=self.logprobs(o.logprobs)) if self.body.logprobs else None
-            choices.append(ChatChoice(index=i, message=message, logprobs=lps, finish_reason=finish))
-        return self.envelope(ChatCompletionResponse, choices, usage(built, outs))
+    def choice(self, built: Built, i: int, o: Collected) -> ChatChoice:
+        content, calls = parse_tool_calls(o.text) if built.tools_on else (o.text, [])
+        message = AssistantMessage(content=content if calls else o.text, tool_calls=calls or None)
+        return ChatChoice(index=i, message=message,
+                          logprobs=ChatLogprobs(content=self.logprobs(o.logprobs)) if self.body.logprobs else None,
+                          finish_reason="tool_calls" if calls and o.finish_reason == "stop" else o.finish_reason)
 
     def chunk(self, i: int, delta: ChatDelta, finish: str | None = None, logprobs=None) -> ChatCompletionChunk:
         return self.envelope(ChatCompletionChunk, [ChatChunkChoice(index=i, delta=delta, logprobs=logprobs,
@@ -460,7 +460,7 @@ class ChatEndpoint(Endpoint):
 # ---- /v1/completions ----------------------------------------------------------------------------------------
 class CompletionEndpoint(Endpoint):
     param = "prompt"
-    chunk_cls = CompletionResponse
+    response_cls = chunk_cls = CompletionResponse
     id_prefix = "cmpl"
 
     body: CompletionRequest
@@ -502,16 +502,12 @@ class CompletionEndpoint(Endpoint):
             return lps
         return [x if x is not None else TokenLogprob(t, None, None) for t, x in zip(prompt_ids, prompt_lps)] + lps
 
-    def response(self, built: Built, outs: list[Collected]) -> CompletionResponse:
-        choices = []
-        for i, o in enumerate(outs):
-            lps = None
-            if self.body.logprobs is not None:
-                start = 0 if o.prompt_logprobs is not None else len(built.echo[i])
-                lps = self.logprobs(self.with_prompt(built.jobs[i][0], o.prompt_logprobs, o.logprobs), start)
-            choices.append(CompletionChoice(index=i, text=built.echo[i] + o.text, logprobs=lps,
-                                            finish_reason=o.finish_reason))
-        return self.envelope(CompletionResponse, choices, usage(built, outs))
+    def choice(self, built: Built, i: int, o: Collected) -> CompletionChoice:
+        lps = None
+        if self.body.logprobs is not None:
+            start = 0 if o.prompt_logprobs is not None else len(built.echo[i])
+            lps = self.logprobs(self.with_prompt(built.jobs[i][0], o.prompt_logprobs, o.logprobs), start)
+        return CompletionChoice(index=i, text=built.echo[i] + o.text, logprobs=lps, finish_reason=o.finish_reason)
 
     def chunk(self, i: int, text: str, finish: str | None = None, logprobs=None) -> CompletionResponse:
         return self.envelope(CompletionResponse, [CompletionChoice(index=i, text=text, logprobs=logprobs,

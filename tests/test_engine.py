@@ -311,7 +311,7 @@ def test_generate_aborts_what_it_queued_when_interrupted(make_engine):
     engine.step = step
     with pytest.raises(KeyboardInterrupt):
         llm.generate(["one", "two", "three"], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
-    assert not engine.has_unfinished() and engine.scheduler.num_running == 0
+    assert not engine.has_unfinished() and not engine.scheduler.running
     assert engine.block_manager.num_used_blocks == 0
     engine.step = real_step
     assert llm.generate("again", SamplingParams(max_tokens=2, temperature=0))[0].finish_reason == "length"

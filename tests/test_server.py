@@ -384,7 +384,7 @@ def test_disconnects_abort_and_free_blocks(make_engine):
         assert results[:20] == [3] * 20
         _wait_idle(state)
         assert engine.block_manager.num_free_blocks == baseline
-        assert engine.scheduler.num_running == 0
+        assert not engine.scheduler.running
         aborted = [s for s in text_string_to_metric_families(httpx.get(f"{base}/metrics").text)
                    if s.name == "vllm:request_success"]
         count = sum(x.value for f in aborted for x in f.samples

@@ -60,22 +60,13 @@ RANDOM_SHAPES: dict[str, dict] = {
                  num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-5),
 }
 
-_GGUF_NAMES = [  # GGUF tensor name pattern -> HF name
-    (r"token_embd\.weight", "model.embed_tokens.weight"),
-    (r"output_norm\.weight", "model.norm.weight"),
-    (r"output\.weight", "lm_head.weight"),
-    (r"blk\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"blk\.(\d+)\.attn_q\.(weight|bias)", r"model.layers.\1.self_attn.q_proj.\2"),
-    (r"blk\.(\d+)\.attn_k\.(weight|bias)", r"model.layers.\1.self_attn.k_proj.\2"),
-    (r"blk\.(\d+)\.attn_v\.(weight|bias)", r"model.layers.\1.self_attn.v_proj.\2"),
-    (r"blk\.(\d+)\.attn_output\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
-    (r"blk\.(\d+)\.attn_q_norm\.weight", r"model.layers.\1.self_attn.q_norm.weight"),
-    (r"blk\.(\d+)\.attn_k_norm\.weight", r"model.layers.\1.self_attn.k_norm.weight"),
-    (r"blk\.(\d+)\.ffn_gate\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
-    (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.up_proj.weight"),
-    (r"blk\.(\d+)\.ffn_down\.weight", r"model.layers.\1.mlp.down_proj.weight"),
-]
+# GGUF tensor name -> HF name: the top-level tensors, and per layer blk.N.<part>.weight (q, k and v also .bias)
+_GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+_GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+               "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
+               "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
 def model_source(path: str) -> str:
@@ -203,8 +194,9 @@ def _gguf_reader(path: str) -> GGUFFile:
 def _gguf_config(reader: GGUFFile) -> ModelConfig:
     field = reader.fields.get
     arch = field("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ModelLoadError(f"unsupported architecture {arch!r} in GGUF file; supported: {', '.join(ARCHITECTURES)}")
+    supported = sorted(set(ARCHITECTURES.values()))  # llama.cpp writes Mistral models as llama
+    if arch not in supported:
+        raise ModelLoadError(f"unsupported architecture {arch!r} in GGUF file; supported: {', '.join(supported)}")
     g = lambda key, default=None: field(f"{arch}.{key}", default)
     num_heads = g("attention.head_count")
     hidden = g("embedding_length")
@@ -255,9 +247,11 @@ def _block_quantized(t) -> bool:
 
 
 def _hf_name(gguf_name: str) -> str:
-    for pattern, repl in _GGUF_NAMES:
-        if re.fullmatch(pattern, gguf_name):
-            return re.sub(pattern, repl, gguf_name)
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m and m[2] in _GGUF_LAYER and (m[3] == "weight" or m[2] in ("attn_q", "attn_k", "attn_v")):
+        return f"model.layers.{m[1]}.{_GGUF_LAYER[m[2]]}.{m[3]}"
+    if gguf_name in _GGUF_TOP:
+        return _GGUF_TOP[gguf_name]
     raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
 
 
