@@ -144,7 +144,7 @@ class LLMEngine:
     def _start_workers(self, model: LlamaModel | None, max_len: int):
         """Spawn the tensor-parallel worker ranks; returns rank 0's TensorParallel (this process's place)."""
         from pagedserve.engine.parallel.group import check_tensor_parallel
-        from pagedserve.engine.parallel.workers import WorkerGroup, rank_device
+        from pagedserve.engine.parallel.workers import Setup, WorkerGroup, rank_device
 
         check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
         if self.config.node_rank:
@@ -153,7 +153,8 @@ class LLMEngine:
         if model is not None:
             raise ValueError("a pre-built model cannot be split for tensor parallelism: pass the model's path")
         self.device = rank_device(self.device, 0)
-        self.workers, tp = WorkerGroup.start(self.config, self.model_path, self.dtype, max_len, self.device)
+        setup = Setup(self.config, self.dtype, max_len, self.model_config)
+        self.workers, tp = WorkerGroup.start(setup, self.model_path, self.device)
         return tp
 
     def check_health(self) -> None:

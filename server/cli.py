@@ -128,10 +128,10 @@ def _serve_node(config) -> None:
     """Another node of a multi-node tensor-parallel group: its worker ranks only, no HTTP server."""
     from pagedserve.engine.parallel.workers import run_node
 
-    _resolve_model(config)
+    model_path = _resolve_model(config).path
     print(f"pagedserve: node {config.node_rank} of {config.nnodes}: tensor-parallel worker ranks for "
           f"{config.dist_init_addr} (no server on this node)", flush=True)
-    sys.exit(run_node(config))
+    sys.exit(run_node(config, model_path))
 
 
 def _serve_replicas(config, server, replicas) -> None:

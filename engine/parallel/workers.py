@@ -15,7 +15,6 @@ way rank 0 raises `WorkerFailedError` naming the rank, and the engine stops (the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -31,7 +30,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from pagedserve.engine.config import EngineConfig, ModelConfig, parse_cpu_bind, parse_dist_init_addr, resolve_dtype
+from pagedserve.engine.config import EngineConfig, ModelConfig, parse_cpu_bind, parse_dist_init_addr
 from pagedserve.engine.parallel import shm_all_reduce
 from pagedserve.engine.parallel.group import CONNECT_TIMEOUT_S, TensorParallel
 
@@ -44,7 +43,8 @@ CLOSE_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class Setup:
-    """Rank 0's engine options, sent to each rank of another node once it has connected."""
+    """Rank 0's engine options: a rank of rank 0's node gets them at its spawn, one of another node once it has
+    connected (its own options are only for binding its CPUs and finding its copy of the model)."""
 
     config: EngineConfig
     dtype: torch.dtype
@@ -60,16 +60,14 @@ class WorkerFailedError(RuntimeError):
 class WorkerSpec:
     """Everything a worker needs to build its shard (picklable: it crosses the spawn)."""
 
-    config: EngineConfig
+    config: EngineConfig  # this node's: its --cpu-bind, its ranks
     model_path: str
-    dtype: torch.dtype
-    max_len: int
     rank: int
-    size: int
     host: str
     port: int
     device: torch.device
     shm_name: str | None  # the shared-memory all-reduce's segment (None: gloo only)
+    setup: Setup | None  # None: another node's rank, which receives rank 0's once connected
 
 
 def pin(config: EngineConfig, rank: int) -> None:
@@ -158,7 +156,7 @@ def _receive_timeout(sock: socket.socket, seconds: int) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, 0))
 
 
-def free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -169,38 +167,32 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection | 
     `conn`: the pipe from rank 0 on its node; None for a remote rank, which dials rank 0 itself."""
     try:
         pin(spec.config, spec.rank)  # by this node's --cpu-bind
-        expected = None
+        setup, size = spec.setup, spec.config.tensor_parallel_size
         if conn is None:  # another node's rank: rank 0's engine options win, so every rank agrees on every shape
-            conn = _dial(spec.host, spec.port + 1, spec.rank, spec.size)
-            setup: Setup = conn.recv()
-            spec = dataclasses.replace(spec, config=setup.config, dtype=setup.dtype, max_len=setup.max_len)
-            expected = setup.model_config
+            conn = _dial(spec.host, spec.port + 1, spec.rank, size)
+            setup = conn.recv()
         from pagedserve.engine import allocator
         from pagedserve.engine.layers.dispatch import kernel_table
         from pagedserve.engine.model_runner import ModelRunner
         from pagedserve.engine.models.loader import build_model, load_config
         from pagedserve.engine.quant.loading import QuantSpec
 
-        config = spec.config
+        config, dtype, device = setup.config, setup.dtype, spec.device
         allocator.tune()
-        tp = TensorParallel.connect(spec.rank, spec.size, spec.host, spec.port, spec.device, shm_name=spec.shm_name)
+        tp = TensorParallel.connect(spec.rank, size, spec.host, spec.port, device, shm_name=spec.shm_name)
         cfg = load_config(spec.model_path)
-        if expected is not None and cfg != expected:
-            raise ValueError(f"this node's model ({spec.model_path}: {cfg}) is not node 0's ({expected})")
-        table = kernel_table(spec.device, spec.dtype, config.kernel_policy)
+        if cfg != setup.model_config:
+            raise ValueError(f"this node's model ({spec.model_path}: {cfg}) is not node 0's ({setup.model_config})")
+        table = kernel_table(device, dtype, config.kernel_policy)
         quant = QuantSpec.from_options(config.quantization, config.quant_group_size, config.quantize_lm_head)
         torch.manual_seed(config.seed)
-        model = build_model(spec.model_path, cfg, spec.dtype, spec.device, spec.max_len, config.seed, quant, table,
-                            tp)
+        model = build_model(spec.model_path, cfg, dtype, device, setup.max_len, config.seed, quant, table, tp)
         conn.send(("ready", None))
-        runner = ModelRunner(config, cfg, model, spec.device, spec.dtype, table, tp=tp)
+        runner = ModelRunner(config, cfg, model, device, dtype, table, tp=tp)
         while True:
             try:
-                data = conn.recv_bytes()
-            except (EOFError, OSError):  # rank 0 is gone
-                break
-            message = pickle.loads(data)
-            if message is None:
+                message = conn.recv()
+            except (EOFError, OSError):  # rank 0 closed the channel (close()), or it died
                 break
             runner.execute(message)
     except BaseException:  # noqa: BLE001 - reported to rank 0, then this rank ends
@@ -225,27 +217,20 @@ class WorkerGroup:
         self._finalizer = weakref.finalize(self, _shut_down, self.procs, self.conns, shm_name)
 
     @classmethod
-    def start(cls, config: EngineConfig, model_path: str, dtype: torch.dtype, max_len: int,
-              device: torch.device) -> tuple[WorkerGroup, TensorParallel]:
+    def start(cls, setup: Setup, model_path: str, device: torch.device) -> tuple[WorkerGroup, TensorParallel]:
         """Spawn this node's ranks 1..L-1, take the other nodes' ranks' connections (L = ranks per node), pin
         rank 0 (this process), join the group as rank 0."""
+        config = setup.config
         size, nnodes = config.tensor_parallel_size, config.nnodes
         per_node = size // nnodes
-        if nnodes > 1:
-            host, port = parse_dist_init_addr(config.dist_init_addr)
-        else:
-            host = "127.0.0.1"
-            port = free_port(host)
+        host, port = parse_dist_init_addr(config.dist_init_addr) if nnodes > 1 else ("127.0.0.1", free_port())
         shm_name = _shm_segment(size, device) if nnodes == 1 else None  # shared memory spans one host only
         group = cls(shm_name, per_node)  # first: its finalizer stops what has started if anything fails
         try:
-            group.procs += spawn_ranks(config, model_path, dtype, max_len, device, range(1, per_node), host, port,
-                                       shm_name, group.conns)
+            group.procs += spawn_ranks(config, model_path, device, range(1, per_node), host, port, shm_name, setup,
+                                       group.conns)
             if nnodes > 1:
-                from pagedserve.engine.models.loader import load_config
-
                 remote = _accept(host, port + 1, range(per_node, size), size)
-                setup = Setup(config, dtype, max_len, load_config(model_path))
                 for conn in remote.values():
                     conn.send(setup)
                 group.procs += [None] * len(remote)
@@ -289,32 +274,25 @@ class WorkerGroup:
         except OSError as e:  # a worker's pipe closed: it died
             self.raise_failure(e)
 
-    def check(self, cause: BaseException | None = None) -> None:
-        """Raise WorkerFailedError if any worker has died (cheap: one non-blocking wait per worker)."""
+    def check(self, cause: BaseException | None = None, wait_s: float = 0.0) -> None:
+        """Raise WorkerFailedError if a worker has failed or died, waiting up to `wait_s` for one to (cheap: one
+        wait on every channel). A healthy worker sends nothing after "ready": a readable channel is its error
+        report or its EOF (a process's pipe closes when it dies)."""
+        if self.error is None:
+            try:
+                failed = multiprocessing.connection.wait(self.conns, wait_s)
+            except OSError:  # a closed channel: the group was stopped
+                failed = self.conns
+            if failed:
+                self._fail(self._describe(self.conns.index(failed[0])))
         if self.error is not None:
             raise self.error from cause
-        for i in range(len(self.conns)):
-            if self._dead(i):
-                raise self._fail(self._describe(i)) from cause
-
-    def _dead(self, i: int) -> bool:
-        proc = self.procs[i]
-        if proc is not None:
-            return not proc.is_alive()
-        try:  # a healthy remote rank sends nothing after "ready": anything readable is its error or its EOF
-            return self.conns[i].poll(0)
-        except OSError:
-            return True
 
     def raise_failure(self, cause: BaseException, grace_s: float = 5.0) -> None:
         """After a step failed with `cause`: raise WorkerFailedError naming the dead rank if a worker died (it may
         take a moment to exit after its collective failed), else one saying that every worker is alive."""
-        deadline = time.monotonic() + grace_s
-        while True:
-            self.check(cause)
-            if time.monotonic() >= deadline:
-                raise self._fail(f"a tensor-parallel collective failed with every worker alive: {cause}") from cause
-            time.sleep(0.05)
+        self.check(cause, grace_s)
+        raise self._fail(f"a tensor-parallel collective failed with every worker alive: {cause}") from cause
 
     def _describe(self, i: int, text: str | None = None) -> str:
         proc, conn = self.procs[i], self.conns[i]
@@ -339,20 +317,19 @@ class WorkerGroup:
         return self.error
 
     def close(self) -> None:
-        """Stop every worker (asked first, then terminated, then killed)."""
+        """Stop every worker (its channel closed first, then terminated, then killed)."""
         self._finalizer()
 
 
-def spawn_ranks(config: EngineConfig, model_path: str, dtype: torch.dtype, max_len: int, device: torch.device,
-                ranks: range, host: str, port: int, shm_name: str | None, conns: list | None) -> list:
+def spawn_ranks(config: EngineConfig, model_path: str, device: torch.device, ranks: range, host: str, port: int,
+                shm_name: str | None, setup: Setup | None, conns: list | None) -> list:
     """Start worker processes for `ranks` of this node. `conns` (node 0): a pipe to each is appended there; None
     (another node): each dials rank 0 at host:port + 1 itself."""
-    size, per_node = config.tensor_parallel_size, config.tensor_parallel_size // config.nnodes
+    per_node = config.tensor_parallel_size // config.nnodes
     ctx = multiprocessing.get_context("spawn")
     procs = []
     for rank in ranks:
-        spec = WorkerSpec(config, model_path, dtype, max_len, rank, size, host, port,
-                          rank_device(device, rank % per_node), shm_name)
+        spec = WorkerSpec(config, model_path, rank, host, port, rank_device(device, rank % per_node), shm_name, setup)
         child = None
         if conns is not None:
             parent, child = ctx.Pipe()
@@ -365,21 +342,13 @@ def spawn_ranks(config: EngineConfig, model_path: str, dtype: torch.dtype, max_l
     return procs
 
 
-def run_node(config: EngineConfig) -> int:
+def run_node(config: EngineConfig, model_path: str) -> int:
     """`pagedserve serve --node-rank k` (k > 0): run this node's worker ranks until node 0 stops (they connect to
     it, then take its steps); no server here. Returns the exit status: 0 when every rank ended cleanly."""
-    from pagedserve.engine.models.loader import load_config
-    from pagedserve.engine.models.resolver import resolve_model
-
-    model_path = resolve_model(config.model, config.revision, config.gguf_file).path
-    cfg = load_config(model_path)
-    device = config.torch_device()
-    dtype = resolve_dtype(config.dtype, device, config.kernel_policy)
-    max_len = config.max_model_len or cfg.max_position_embeddings
     host, port = parse_dist_init_addr(config.dist_init_addr)
     per_node = config.tensor_parallel_size // config.nnodes
     first = config.node_rank * per_node
-    procs = spawn_ranks(config, model_path, dtype, max_len, device, range(first, first + per_node), host, port,
+    procs = spawn_ranks(config, model_path, config.torch_device(), range(first, first + per_node), host, port, None,
                         None, None)
     logger.info("node %d: tensor-parallel ranks %d..%d (pids %s), rank 0 at %s:%d", config.node_rank, first,
                 first + per_node - 1, [p.pid for p in procs], host, port)
@@ -387,10 +356,7 @@ def run_node(config: EngineConfig) -> int:
         for proc in procs:
             proc.join()
     finally:  # interrupted: take the ranks down with this process
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=CLOSE_TIMEOUT_S)
+        _stop(procs, 0.0)
     return max((abs(p.exitcode or 0) for p in procs), default=0)
 
 
@@ -409,19 +375,17 @@ def _shm_segment(size: int, device: torch.device) -> str | None:
 def _shut_down(procs: list, conns: list, shm_name: str | None) -> None:
     if shm_name is not None:  # normally unlinked once every rank mapped it; not if start-up failed before then
         shm_all_reduce.unlink_segment(shm_name)
-    for conn in conns:
-        with contextlib.suppress(OSError):
-            conn.send_bytes(pickle.dumps(None))
-    procs = [p for p in procs if p is not None]  # another node's ranks exit on the None (or on EOF)
-    deadline = time.monotonic() + CLOSE_TIMEOUT_S
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=1.0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=1.0)
-    for conn in conns:
+    for conn in conns:  # each worker, here or on another node, reads EOF and exits
         conn.close()
+    _stop([p for p in procs if p is not None], CLOSE_TIMEOUT_S)
+
+
+def _stop(procs: list, grace_s: float) -> None:
+    """Join the processes within `grace_s` in all; then terminate, then kill, each one still alive."""
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        for stop in (proc.terminate, proc.kill):
+            if proc.is_alive():
+                stop()
+                proc.join(1.0)
