@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -29,24 +30,21 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
 }
 
 
-def _has_surrogate(value: Any) -> bool:
-    """Whether a JSON value holds a string that is not valid Unicode (a lone UTF-16 surrogate).
+SURROGATE = re.compile("[\ud800-\udfff]")  # a lone UTF-16 surrogate: a string that is not valid Unicode
 
-    Iterative: a deeply nested body must not exhaust the interpreter's stack.
-    """
+
+def _has_surrogate(value: Any) -> bool:
+    """Whether a JSON value holds a string that is not valid Unicode. Iterative: a deeply nested body must not
+    exhaust the interpreter's stack."""
     stack = [value]
     while stack:
         v = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return True
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
+        if isinstance(v, str) and SURROGATE.search(v):
+            return True
+        if isinstance(v, dict):
+            stack += [*v.keys(), *v.values()]
         elif isinstance(v, list):
-            stack.extend(v)
+            stack += v
     return False
 
 
