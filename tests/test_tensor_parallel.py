@@ -280,11 +280,12 @@ def _node_command(addr: str, *flags: str) -> list[str]:
             "--dtype", "float32", "--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", addr, *flags]
 
 
-def test_two_nodes_on_loopback_match_tp1(tiny_reference):
+@pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])
+def test_two_nodes_on_loopback_match_tp1(tiny_reference, host):
     """TP=2 over two 'nodes' (separate commands, gloo over TCP, each node one rank): node 1 is `pagedserve serve
     --node-rank 1` (no server), started first; node 0 is an engine here. The same tokens as TP=1; node 1 exits 0
-    when node 0 closes."""
-    addr = f"127.0.0.1:{_loopback_port()}"
+    when node 0 closes. Over IPv4 and IPv6."""
+    addr = f"{host}:{_loopback_port()}"
     node1 = subprocess.Popen(_node_command(addr, "--node-rank", "1"), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:

@@ -116,7 +116,7 @@ def _accept(host: str, port: int, ranks: range, size: int) -> dict[int, Connecti
     """Rank 0's side of `_dial`: one connection from each remote rank in `ranks`, by rank."""
     conns: dict = {}
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
-    with socket.create_server((host, port)) as server:
+    with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET) as server:
         while len(conns) < len(ranks):
             left = deadline - time.monotonic()
             if left <= 0:
