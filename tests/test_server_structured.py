@@ -217,6 +217,7 @@ def test_tool_turns_go_through_the_template_and_auto_and_none(client):
       "tool_choice": "required"}, "tools"),
     ({"logit_bias": {"5": 200}}, "logit_bias"),
     ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
 ])
 def test_invalid_constraints_are_400(server, body, param):
     base, state = server
