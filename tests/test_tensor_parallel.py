@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import multiprocessing.connection
 import os
 import signal
 import socket
@@ -22,7 +23,7 @@ from pagedserve.engine import LLMEngine, SamplingParams, make_config
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.config import ModelConfig
 from pagedserve.engine.models.loader import RANDOM_SHAPES
-from pagedserve.engine.parallel import shm_all_reduce
+from pagedserve.engine.parallel import shm_all_reduce, workers
 from pagedserve.engine.parallel.group import check_tensor_parallel
 from pagedserve.engine.parallel.workers import WorkerFailedError, free_port
 from pagedserve.engine.quant.formats import quantize
@@ -303,6 +304,30 @@ def test_two_nodes_on_loopback_match_tp1(tiny_reference, host):
         if node1.poll() is None:
             node1.kill()
             node1.communicate()
+
+
+def test_step_channel_refuses_strangers_and_wrong_ranks_then_takes_the_right_one(caplog):
+    """Rank 0's listener for other nodes' ranks: a wrong key, a rank of another group size and a rank it does not
+    wait for are refused (logged), and start-up goes on to take the rank it waits for."""
+    port = free_port()
+    got: dict = {}
+    listener = threading.Thread(target=lambda: got.update(workers._accept("127.0.0.1", port, range(1, 2), 2)),
+                                daemon=True)
+    listener.start()
+    try:
+        for rank, size in [(1, 4), (5, 2)]:  # (_dial waits for the listener to be up)
+            with pytest.raises((EOFError, OSError)):
+                workers._dial("127.0.0.1", port, rank, size).recv()  # closed by rank 0 after the hello
+        with pytest.raises(multiprocessing.AuthenticationError):  # another PAGEDSERVE_DIST_KEY
+            multiprocessing.connection.Client(("127.0.0.1", port), authkey=b"not-the-key")
+        conn = workers._dial("127.0.0.1", port, 1, 2)
+    finally:
+        listener.join(timeout=30)
+    assert list(got) == [1]
+    got[1].send("setup")
+    assert conn.recv() == "setup"
+    refusals = [r.getMessage() for r in caplog.records if "refused a step-channel connection" in r.getMessage()]
+    assert len(refusals) == 3 and "expected ranks 1..1 of 2" in refusals[0] and "rank 5 of" in refusals[1]
 
 
 def test_bad_multi_node_flags_are_refused_with_one_line():

@@ -134,15 +134,13 @@ def _accept(host: str, port: int, ranks: range, size: int) -> dict[int, Connecti
                 multiprocessing.connection.deliver_challenge(conn, _authkey())
                 multiprocessing.connection.answer_challenge(conn, _authkey())
                 kind, rank, their_size = conn.recv()
+                if kind != "hello" or their_size != size or rank not in ranks or rank in conns:
+                    raise ValueError(f"rank {rank} of tensor_parallel_size={their_size}, expected ranks {ranks[0]}.."
+                                     f"{ranks[-1]} of {size} (are --tensor-parallel-size and --nnodes the same on "
+                                     "every node?)")
             except (OSError, EOFError, ValueError, pickle.UnpicklingError,
                     multiprocessing.AuthenticationError) as e:
                 logger.warning("tensor parallel: refused a step-channel connection: %r", e)
-                conn.close()
-                continue
-            if kind != "hello" or their_size != size or rank not in ranks or rank in conns:
-                logger.warning("tensor parallel: refused rank %s of tensor_parallel_size=%s (expected ranks %d..%d "
-                               "of %d: are --tensor-parallel-size and --nnodes the same on every node?)", rank,
-                               their_size, ranks[0], ranks[-1], size)
                 conn.close()
                 continue
             with socket.socket(fileno=os.dup(conn.fileno())) as dup:  # the same socket: options are shared
