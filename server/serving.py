@@ -145,6 +145,7 @@ class Endpoint(ABC):
     response_cls: type  # the model of its response
     chunk_cls: type  # the model of its streamed chunks
     id_prefix: str  # of the response's id
+
     def __init__(self, body, model_name: str) -> None:
         self.body, self.model_name = body, model_name
         self.tokenizer = None  # the engine's, once admitted
