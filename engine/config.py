@@ -240,8 +240,12 @@ class EngineConfig:
             raise ValueError(f"nnodes={self.nnodes} needs dist_init_addr: node 0's host:port, the same on every node")
         if self.dist_init_addr is not None:
             parse_dist_init_addr(self.dist_init_addr)
-        if self.cpu_bind is not None:
-            parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size // self.nnodes)
+        if self.cpu_bind is not None:  # checked where it binds: a worker that cannot bind dies before joining the group
+            cpus = set().union(*parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size // self.nnodes))
+            usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else cpus
+            if cpus - usable:
+                raise ValueError(f"cpu_bind {self.cpu_bind!r}: CPUs {sorted(cpus - usable)} are not available here "
+                                 f"(this process may run on {sorted(usable)})")
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.speculative_method!r}")

@@ -253,6 +253,8 @@ def test_bad_splits_are_refused_with_one_line():
         make_config(model="random:tiny", tensor_parallel_size=0)
     with pytest.raises(ValueError, match="names 3 CPU lists"):
         make_config(model="random:tiny", tensor_parallel_size=2, cpu_bind="0|1|2")
+    with pytest.raises(ValueError, match=r"CPUs \[99999\] are not available here"):  # it hung start-up for 300 s
+        make_config(model="random:tiny", tensor_parallel_size=2, cpu_bind="0|99999")
     with pytest.raises(ValueError, match="does not divide"):
         engine(tp=3)
     cli = subprocess.run([sys.executable, "-m", "pagedserve.server.cli", "generate", "--model", "random:tiny",
