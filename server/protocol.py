@@ -91,7 +91,7 @@ class _Request(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    logit_bias: dict[int, float] | None = None  # JSON object keys: token ids as strings
+    logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)  # extension (vLLM)
 
     @model_validator(mode="before")

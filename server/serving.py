@@ -48,7 +48,7 @@ from pagedserve.server.protocol import (
     new_id,
     now,
 )
-from pagedserve.server.structured import structured_spec
+from pagedserve.server.structured import logit_bias, structured_spec
 from pagedserve.server.tools import ToolCallParser, parse_tool_calls, render_messages, resolve_tool_choice, tool_grammar
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class Endpoint(ABC):
             top_p=1.0 if b.top_p is None else b.top_p, top_k=b.top_k or 0, seed=seed, stop=b.stop or [],
             stop_token_ids=b.stop_token_ids or [], ignore_eos=b.ignore_eos, presence_penalty=b.presence_penalty,
             frequency_penalty=b.frequency_penalty, logprobs=logprobs, cache_salt=salt,
-            prompt_logprobs=prompt_logprobs, structured=spec, logit_bias=b.logit_bias,
+            prompt_logprobs=prompt_logprobs, structured=spec, logit_bias=logit_bias(b),
             allowed_token_ids=b.allowed_token_ids)
 
     def text(self, token_ids: list[int]) -> str:

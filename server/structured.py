@@ -1,4 +1,4 @@
-"""A request's output constraint: response_format or a guided_* field into a StructuredSpec."""
+"""A request's output constraints: response_format / guided_* into a StructuredSpec, logit_bias into ids."""
 
 from __future__ import annotations
 
@@ -29,3 +29,13 @@ def structured_spec(body: Any) -> StructuredSpec | None:
         raise InvalidRequestError(f"give at most one output constraint; got {', '.join(n for n, _ in specs)}",
                                   specs[1][0])
     return specs[0][1] if specs else None
+
+
+def logit_bias(body: Any) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not body.logit_bias:
+        return None
+    try:
+        return {int(k): float(v) for k, v in body.logit_bias.items()}
+    except ValueError as e:
+        raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias") from e

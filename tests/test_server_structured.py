@@ -218,6 +218,7 @@ def test_tool_turns_go_through_the_template_and_auto_and_none(client):
     ({"logit_bias": {"5": 200}}, "logit_bias"),
     ({"logit_bias": {"999999": 1}}, "logit_bias"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"1.0": 1}}, "logit_bias"),  # a token id is written as an integer
 ])
 def test_invalid_constraints_are_400(server, body, param):
     base, state = server
