@@ -114,14 +114,18 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+def check_dtype(value: str | torch.dtype, name: str = "dtype") -> None:
+    if not isinstance(value, torch.dtype) and value != "auto" and value not in DTYPES:
+        raise ValueError(f"{name} must be one of auto, {', '.join(DTYPES)}; got {value!r}")
+
+
 def resolve_dtype(name: str | torch.dtype, device: torch.device, kernel_policy: str | None = None) -> torch.dtype:
     """`auto` -> bf16 where the device runs it fast (engine/layers/dispatch.py: auto_dtype), else fp32."""
+    check_dtype(name)
     if isinstance(name, torch.dtype):
         return name
     if name in DTYPES:
         return DTYPES[name]
-    if name != "auto":
-        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
     from pagedserve.engine.layers.dispatch import auto_dtype
 
     return auto_dtype(device, kernel_policy)
@@ -219,10 +223,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        for name in ("dtype", "draft_dtype"):
-            value = getattr(self, name)
-            if not isinstance(value, torch.dtype) and value != "auto" and value not in DTYPES:
-                raise ValueError(f"{name} must be one of auto, {', '.join(DTYPES)}; got {value!r}")
+        check_dtype(self.dtype)
+        check_dtype(self.draft_dtype, "draft_dtype")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device)):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
