@@ -24,13 +24,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedserve.engine.errors import ArgumentParser
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def parser(doc: str | None, *, rounds: int | None = 3, baseline: bool = True) -> argparse.ArgumentParser:
     """The options every benchmark takes: --json, --rounds (rounds=None: the script has none) and, for scripts
     that compare commits, --baseline-ref."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     if rounds is not None:
         ap.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds; medians are reported")

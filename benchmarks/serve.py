@@ -602,7 +602,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return asyncio.run(run_benchmark(args))
     except BenchError as e:
         print(f"pagedserve bench: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

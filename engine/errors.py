@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import typing
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses; `param` names the offending field, `code` is OpenAI-style."""
@@ -29,3 +32,11 @@ class ContextLengthExceededError(InvalidRequestError):
 
 class ModelLoadError(ValueError):
     """The model path is missing, unreadable, or of an unsupported architecture."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The parser of every `pagedserve` command: a bad flag exits 1 with one line, like every other error of
+    the CLI, where argparse prints the whole usage and exits 2. Subcommands' parsers inherit it."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(1, f"{self.prog}: error: {message}\n")

@@ -12,6 +12,8 @@ import socket
 import sys
 import typing
 
+from pagedserve.engine.errors import ArgumentParser
+
 # subcommands with their own argument lists: the load tester, the quality harness, the memory planner
 SUBPROGRAMS = {"bench": "pagedserve.benchmarks.serve", "eval": "pagedserve.engine.quant.eval",
                "plan": "pagedserve.engine.quant.plan"}
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
             logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         importlib.import_module(SUBPROGRAMS[argv[0]]).main(argv[1:])
         return
-    ap = argparse.ArgumentParser(prog="pagedserve", description="A small, fast LLM serving engine.")
+    ap = ArgumentParser(prog="pagedserve", description="A small, fast LLM serving engine.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     from pagedserve.engine.async_engine import AdmissionLimits

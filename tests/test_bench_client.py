@@ -251,7 +251,7 @@ def test_warmup_failure_is_a_clear_error(server: tuple[str, FakeState], capsys: 
     url, _ = server
     with pytest.raises(SystemExit) as e:
         main(["--base-url", url, "--model", "fake-error", "--no-progress", "--random-output-len", "8"])
-    assert e.value.code == 2
+    assert e.value.code == 1
     assert "warm-up request" in capsys.readouterr().err
 
 
@@ -291,7 +291,7 @@ def test_connection_refused(capsys: Any) -> None:
 def test_remote_url_refused(capsys: Any) -> None:
     with pytest.raises(SystemExit) as e:
         main(["--base-url", "http://10.1.2.3:8000", "--no-progress"])
-    assert e.value.code == 2
+    assert e.value.code == 1
     err = capsys.readouterr().err
     assert "not a loopback address" in err and "--allow-remote" in err
     with pytest.raises(BenchError, match="--allow-remote"):

@@ -152,6 +152,20 @@ def test_bad_options_end_the_cli_in_one_line_before_the_model_loads(tmp_path):
         s.bind(("127.0.0.1", port))
 
 
+@pytest.mark.parametrize("argv", [[], ["nosuch"], ["serve", "--bogus"], ["serve", "--port", "abc"],
+                                  ["generate"], ["chat", "--max-tokens", "x"], ["eval", "--quantization", "int3"],
+                                  ["plan", "--kv-dtype", "fp7"], ["bench", "--request-rate", "-1"]])
+def test_a_bad_flag_ends_every_command_in_one_line(argv, capsys):
+    """argparse's own refusals too: exit 1 and one line, not the usage and exit 2."""
+    from pagedserve.server.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(lines) == 1 and lines[0].startswith("pagedserve"), (argv, lines)
+    assert ": error: " in lines[0]
+
+
 @pytest.mark.parametrize("option", [dict(dtype="foo"), dict(draft_dtype="fp8"), dict(device="foo"),
                                     dict(device="cuda:x"), dict(max_model_len=0), dict(max_model_len=-5)])
 def test_engine_options_are_checked(option):

@@ -14,7 +14,6 @@ exactly, as int4 with group 32 does for Q4 blocks.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -23,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from pagedserve.engine.config import bundled_text_path
+from pagedserve.engine.errors import ArgumentParser
 from pagedserve.engine.quant.formats import FORMATS
 
 CHOICES = ("auto",) + FORMATS
@@ -208,7 +208,7 @@ def format_table(rows: list[Row], tokens: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="pagedserve eval", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="pagedserve eval", description=__doc__.split("\n")[0])
     ap.add_argument("--quantization", default=",".join(CHOICES),
                     help=f"comma-separated formats to compare with the unquantized reference ({', '.join(CHOICES)})")
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")

@@ -9,10 +9,11 @@ for activations is 1.5 GiB. With those, its rows come out exactly (7B int8 in 16
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from dataclasses import asdict, dataclass
+
+from pagedserve.engine.errors import ArgumentParser
 
 GiB = 2**30
 # bits per weight, scales included where the format has them (int4: fp16 scale per group of 128)
@@ -98,7 +99,7 @@ def format_table(rows: list[PlanRow]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="pagedserve plan", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="pagedserve plan", description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--shape", default=None,
                      help=f"comma-separated chapter shapes ({', '.join(SHAPES)}); default: all three")
