@@ -386,6 +386,26 @@ def test_killed_worker_fails_the_next_step_cleanly():
         eng.close()
 
 
+def test_worker_dead_before_joining_ends_start_up_at_once(monkeypatch):
+    """A worker that dies before it joins the group (killed here as soon as it is spawned): rank 0 stops waiting for
+    it and names it, instead of sitting in the rendezvous until CONNECT_TIMEOUT_S (cut to 30 s here, so the old
+    wait ends as a store timeout, which this test tells apart)."""
+    spawn = workers.spawn_ranks
+
+    def spawn_and_kill(*args, **kwargs):
+        procs = spawn(*args, **kwargs)
+        for proc in procs:
+            proc.kill()
+        return procs
+
+    monkeypatch.setattr(workers, "spawn_ranks", spawn_and_kill)
+    monkeypatch.setattr("pagedserve.engine.parallel.group.CONNECT_TIMEOUT_S", 30.0)
+    segments = set(our_segments())
+    with pytest.raises(WorkerFailedError, match="rank 1 .*killed by signal 9"):
+        engine(tp=2)
+    assert set(our_segments()) == segments  # its shared-memory segment went too
+
+
 def test_killed_worker_fails_mid_decode_and_an_idle_server_notices():
     """A worker killed while rank 0 waits in a collective: the step raises (no hang); and an AsyncEngine (the
     server's loop, whose `alive` /health reads) stops when a worker dies while it is idle."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,10 +61,22 @@ class TensorParallel:
 
     @classmethod
     def connect(cls, rank: int, size: int, host: str, port: int, device: torch.device,
-                shm_name: str | None = None) -> TensorParallel:
+                shm_name: str | None = None, watch: Callable[[], None] | None = None) -> TensorParallel:
         """Join the group: rank 0 hosts the store at host:port, the others connect to it. `shm_name`: a segment
-        from `shm_all_reduce.create_segment` that every rank (all on this host) maps for its all-reduces."""
-        store = dist.TCPStore(host, port, size, rank == 0, timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
+        from `shm_all_reduce.create_segment` that every rank (all on this host) maps for its all-reduces.
+        `watch` (rank 0): waits a moment for a worker to fail, raising if one has; called until every rank has
+        joined, so a worker that dies before joining ends the start-up at once, not after CONNECT_TIMEOUT_S."""
+        store = dist.TCPStore(host, port, size, rank == 0, timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT_S),
+                              wait_for_workers=watch is None)
+        if rank:
+            store.add("joined", 1)
+        elif watch is not None:
+            deadline = time.monotonic() + CONNECT_TIMEOUT_S
+            while store.add("joined", 0) < size - 1:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"tensor-parallel ranks did not join {host}:{port} within "
+                                       f"{CONNECT_TIMEOUT_S:.0f} s")
+                watch()
         timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()

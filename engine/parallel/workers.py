@@ -234,7 +234,8 @@ class WorkerGroup:
                 group.procs += [None] * len(remote)
                 group.conns += [remote[r] for r in range(per_node, size)]
             pin(config, 0)
-            tp = TensorParallel.connect(0, size, host, port, rank_device(device, 0), shm_name=shm_name)
+            tp = TensorParallel.connect(0, size, host, port, rank_device(device, 0), shm_name=shm_name,
+                                        watch=lambda: group.check(wait_s=0.2))
         except BaseException:
             group.close()
             raise
