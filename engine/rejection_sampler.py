@@ -83,12 +83,9 @@ def verify_batch(logits: torch.Tensor, drafts: list[list[int]], reqs: list[Sampl
     plain = [j for j, r in enumerate(reqs) if r.params.greedy and not r.params.needs_penalties]
     out: list[list[int]] = [[] for _ in drafts]
     if plain:
-        rows = torch.tensor([r for j in plain for r in range(bounds[j], bounds[j + 1])], device=logits.device)
-        target = logits[rows].max(dim=-1).indices.tolist()
-        at = 0
+        target = logits.max(dim=-1).indices.tolist()  # one argmax over every row: no gather
         for j in plain:
-            out[j] = _accept_greedy(drafts[j], target[at:at + len(drafts[j]) + 1])
-            at += len(drafts[j]) + 1
+            out[j] = _accept_greedy(drafts[j], target[bounds[j]:bounds[j + 1]])
     for j, req in enumerate(reqs):
         if not out[j]:
             out[j] = verify(logits[bounds[j]:bounds[j + 1]], drafts[j], req, generator)
