@@ -179,7 +179,7 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
     async def _api_error(request: Request, exc: APIError):
         if exc.reason:
             state.metrics.reject(exc.reason)
-        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+        return JSONResponse(exc.body, exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):

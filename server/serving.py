@@ -61,13 +61,10 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None, reason: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers
+        self.status, self.headers = status, headers
+        self.body = error_body(message, type_, param, code)
         # what the rejection counter calls it (None: not counted)
         self.reason = reason or {400: "invalid_request", 404: "model_not_found", 429: "queue_full"}.get(status)
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
 
 
 def tenant(raw: Request) -> str | None:
@@ -352,7 +349,7 @@ class Serving:
             if include_usage:
                 yield endpoint.envelope(endpoint.chunk_cls, [], usage(built, outs)).model_dump_json()  # choices: []
         except EngineDeadError as e:
-            yield json.dumps(engine_dead(e).body())
+            yield json.dumps(engine_dead(e).body)
         except InvalidRequestError as e:
             yield json.dumps(error_body(e.message, "invalid_request_error", e.param, e.code or "invalid_request"))
         except Exception:  # noqa: BLE001 - details go to the log only
