@@ -18,9 +18,9 @@ TENANT_KEY = "pagedserve.tenant"  # scope["state"][TENANT_KEY]: an id of the API
 PROTECTED = ("/v1/", "/metrics", "/docs", "/openapi.json")  # everything but /health needs a key, when keys are set
 
 
-async def send_error(send: Send, status: int, message: str, type_: str, code: str | None = None,
-                     headers: list[tuple[bytes, bytes]] = ()) -> None:
-    body = json.dumps(error_body(message, type_, None, code)).encode()
+async def send_error(send: Send, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]]) -> None:
+    """An `invalid_request_error`, the type of every refusal here."""
+    body = json.dumps(error_body(message, code=code)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})
@@ -54,7 +54,7 @@ class ApiKeyAuth:
             message = ("Incorrect API key provided." if auth else
                        "You didn't provide an API key. You need to provide your API key in an Authorization "
                        "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
-            return await send_error(send, 401, message, "invalid_request_error", "invalid_api_key",
+            return await send_error(send, 401, message, "invalid_api_key",
                                     [(b"www-authenticate", b'Bearer realm="pagedserve"')])
         scope.setdefault("state", {})[TENANT_KEY] = matches[0]
         await self.app(scope, receive, send)
@@ -100,11 +100,11 @@ class BodyLimit:
         except asyncio.TimeoutError:
             if size <= self.max_bytes:
                 return await send_error(send, 408, f"the request body was not received within {self.timeout_s:g} s",
-                                        "invalid_request_error", "request_timeout", [(b"connection", b"close")])
+                                        "request_timeout", [(b"connection", b"close")])
             first = None
         if first is None:
             return await send_error(send, 413, f"the request body is larger than {self.max_bytes} bytes",
-                                    "invalid_request_error", "request_too_large", [(b"connection", b"close")])
+                                    "request_too_large", [(b"connection", b"close")])
         unread = [first]
 
         async def replay() -> Message:
