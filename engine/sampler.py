@@ -40,8 +40,7 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple[list[int], list[TokenLogprob | None]]:
         n, vocab = logits.shape
-        if any(r.constraint is not None for r in reqs):
-            logits = apply_constraints(logits, [r.constraint for r in reqs])
+        logits = apply_constraints(logits, [r.constraint for r in reqs])
         penalised = [i for i, r in enumerate(reqs) if r.params.needs_penalties and r.output_token_ids]
         if penalised:
             logits = logits.clone()
