@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections import Counter as Tally
 from collections.abc import Callable, Mapping
 from functools import partial
 
@@ -88,7 +87,7 @@ class Metrics:
         self.e2e = latency("vllm:e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = latency("vllm:request_queue_time_seconds", "Arrival to first scheduled.")
         r.register(_EngineCollector(snapshot, model_name))
-        self.rejections: Tally[str] = Tally()  # the same counts, readable without a scrape (the live view)
+        self.num_overloaded = 0  # 429s issued (queue full, or too late to start), for the live view without a scrape
         self._last_token: dict[str, float] = {}
 
     def observe(self, outputs: list[RequestOutput]) -> None:
@@ -118,12 +117,8 @@ class Metrics:
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
-        self.rejections[reason] += 1
-
-    @property
-    def num_overloaded(self) -> int:
-        """429s issued: the queue was full, or a request would not have started in time."""
-        return self.rejections["queue_full"] + self.rejections["queue_wait"]
+        if reason in ("queue_full", "queue_wait"):
+            self.num_overloaded += 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
