@@ -25,15 +25,10 @@ class Int4Weight(GroupedWeight):
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, fmt: str = "int4",
                  group: int | None = None, scale_d: torch.Tensor | None = None,
                  bias_d: torch.Tensor | None = None) -> None:
-        self.codes = codes  # uint8 [N, K/2] (pack_nibbles); [N/16, 8K] as panels
-        self.scale = scale  # [N, G] fp16/fp32 (or 8-bit codes with scale_d), or [1, 1] per tensor; panels [N/16, G, 16]
-        self.bias = bias  # as scale (codes with bias_d), or None: symmetric, -8 * scale
-        self.scale_d, self.bias_d = scale_d, bias_d
-        self.symmetric = bias is None
-        self.format = fmt
-        self.shape = (codes.shape[0], codes.shape[1] * 2)
-        self.group = group or self.shape[1] // scale.shape[1]
-        self.layout = None
+        # codes: uint8 [N, K/2] (pack_nibbles); [N/16, 8K] as panels
+        # scale: [N, G] fp16/fp32 (or 8-bit codes with scale_d), or [1, 1] per tensor; panels [N/16, G, 16]
+        # bias: as scale (codes with bias_d), or None: symmetric, -8 * scale
+        super().__init__(codes, scale, bias, scale_d, bias_d, fmt, codes.shape[1] * 2, group)
         self._packed: torch.Tensor | None = None  # torch's CPU kernel layout
         self._sz: torch.Tensor | None = None  # [K / kernel group, N, 2] scale and zero, in the kernel's dtype
         self._kgroup = 0

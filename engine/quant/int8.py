@@ -32,14 +32,9 @@ class Int8Weight(GroupedWeight):
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, fmt: str = "int8", bias: torch.Tensor | None = None,
                  scale_d: torch.Tensor | None = None, bias_d: torch.Tensor | None = None) -> None:
-        self.codes = codes  # int8 [N, K]; [N/16, 16K] as panels
-        self.scale = scale  # [N, G] fp16/fp32 (or 8-bit codes with scale_d); fp32 [1, 1] per tensor
-        self.bias, self.scale_d, self.bias_d = bias, scale_d, bias_d
-        self.symmetric = bias is None
-        self.format = fmt
-        self.shape = (codes.shape[0], codes.shape[1])
-        self.group = self.shape[1] // scale.shape[1]
-        self.layout = None
+        # codes: int8 [N, K]; [N/16, 16K] as panels
+        # scale: [N, G] fp16/fp32 (or 8-bit codes with scale_d); fp32 [1, 1] per tensor
+        super().__init__(codes, scale, bias, scale_d, bias_d, fmt, codes.shape[1])
         self.row_scale: torch.Tensor | None = None  # fp32 [N] for torch's kernel ("rows", per row or per tensor)
         self.code_bits = 6 if self.format not in ("int8", "int8-tensor") and _fits_6_bits(codes) else 8
 

@@ -80,6 +80,16 @@ class GroupedWeight(QuantWeight):
     symmetric: bool
     column_max: torch.Tensor | None = None  # for the AMX GEMM's smoothing
 
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 scale_d: torch.Tensor | None, bias_d: torch.Tensor | None, fmt: str, k: int,
+                 group: int | None = None) -> None:
+        """[N, k] weights: `codes` and `scale` [N, G] as the format holds them; `group` (default k / G) along K."""
+        self.codes, self.scale, self.bias, self.scale_d, self.bias_d = codes, scale, bias, scale_d, bias_d
+        self.symmetric = bias is None
+        self.format = fmt
+        self.shape = (codes.shape[0], k)
+        self.group = group or k // scale.shape[1]
+
     def values(self) -> list[torch.Tensor | None]:
         """scale, bias, scale_d, bias_d, in the layout held (None where absent)."""
         return [self.scale, self.bias, self.scale_d, self.bias_d]
