@@ -28,7 +28,6 @@ class NF4Weight(QuantWeight):
         self.absmax = absmax  # fp16 [N, K/block]
         self.shape = (codes.shape[0], codes.shape[1] * 2)
         self.block = self.shape[1] // absmax.shape[1]
-        self.layout = None
         self._levels = torch.tensor(NF4_LEVELS)
 
     @classmethod
