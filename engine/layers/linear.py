@@ -94,11 +94,9 @@ class Linear(nn.Module):
     def gated(self, x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """act(self(x)) for a fused gate|up projection and its SiLU(gate) * up: in one kernel where the route has
         that form (the AMX GEMM, whose products then never go to memory), else the projection, then `act`."""
-        for route in self.routes:
-            if x.shape[0] <= route.max_rows:
-                if route.gated is not None:
-                    return route.gated(x)
-                break
+        route = next((r for r in self.routes if x.shape[0] <= r.max_rows), None)
+        if route is not None and route.gated is not None:
+            return route.gated(x)
         return act(self(x))
 
     def quantize_to(self, qweight: QuantWeight) -> None:
