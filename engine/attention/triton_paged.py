@@ -232,9 +232,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence: q [B, Hq, D] -> [B, Hq, D] over each sequence's seq_lens[b] keys."""
-    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+                     out: torch.Tensor) -> None:
+    """One query token per sequence: q [B, Hq, D] -> out [B, Hq, D] over each sequence's seq_lens[b] keys."""
     _check_layout(k_cache, v_cache, q, out)
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -259,7 +258,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d, num_warps=4 if block_d >= 128 else 2,
         )
-    return out
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
