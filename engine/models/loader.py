@@ -172,12 +172,11 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
         if isinstance(qw, QuantWeight) and id(qw) not in seen:
             seen.add(id(qw))
             out[qw.format] = out.get(qw.format, 0) + qw.nbytes
+    # parameters() yields a tied tensor once; an emptied row-major weight (prepacked only) holds nothing
     for p in list(model.parameters()) + [m.packed for m in model.modules() if isinstance(m, Linear)]:
-        if p is None or id(p) in seen or p.numel() == 0:
-            continue
-        seen.add(id(p))
-        key = str(p.dtype).removeprefix("torch.")
-        out[key] = out.get(key, 0) + p.numel() * p.element_size()
+        if p is not None and p.numel() > 0:
+            key = str(p.dtype).removeprefix("torch.")
+            out[key] = out.get(key, 0) + p.numel() * p.element_size()
     return out
 
 
