@@ -41,15 +41,14 @@ class Embedding(nn.Module):
             w.lay_out(device, "panels" if table.cpp and device.type == "cpu" and w.panels_fit() else "codes")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp is not None:
-            return self._vocab_parallel(ids)
-        if self.qweight is None:
-            return F.embedding(ids, self.weight)
-        return self.qweight.rows(ids, self.dtype)
-
-    def _vocab_parallel(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self._lookup(ids)
+        # vocab-parallel: ids outside this rank's rows look up zeros; the all-reduce sums the ranks' rows
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_embeddings)
-        local = local.masked_fill(outside, 0)
-        rows = F.embedding(local, self.weight) if self.qweight is None else self.qweight.rows(local, self.dtype)
+        rows = self._lookup(local.masked_fill(outside, 0))
         return self.tp.all_reduce(rows.masked_fill(outside[:, None], 0))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the table held: dense, or quantized rows dequantized to the model dtype."""
+        return F.embedding(ids, self.weight) if self.qweight is None else self.qweight.rows(ids, self.dtype)
