@@ -160,7 +160,7 @@ def _quant_routes(w: QuantWeight, bias: torch.Tensor | None, table: KernelTable,
         if cpu and table.cpp and w.panels_fit():
             w.lay_out(device, "panels")
         elif cpu and w.torch_kernel_group():
-            w.lay_out(device, "torch", torch.bfloat16 if dtype == torch.bfloat16 else torch_dtype)
+            w.lay_out(device, "torch", torch_dtype)
         else:
             w.lay_out(device, "codes")
     else:
