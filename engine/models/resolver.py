@@ -43,10 +43,10 @@ def resolve_model(name: str | None, revision: str | None = None, gguf_file: str 
     path = Path(name).expanduser()
     if path.exists():
         return ModelFiles(_local(path, gguf_file), path.name.removesuffix(".gguf"))
-    if REPO_ID.match(name) and not name.startswith((".", "/", "~")) and not name.endswith(".gguf"):
-        return ModelFiles(_from_hub(name, revision, gguf_file), name)
     if name.startswith((".", "/", "~")) or name.endswith(".gguf"):
         raise ModelLoadError(f"no such file or directory: {name}")
+    if REPO_ID.match(name):
+        return ModelFiles(_from_hub(name, revision, gguf_file), name)
     raise ModelLoadError(f"model {name!r} is neither a local path nor a Hugging Face repo id: a local path must be a "
                          ".gguf file or a directory with config.json; a repo id is ORG/NAME or ORG/NAME:QUANT")
 
