@@ -42,7 +42,7 @@ def required() -> bool:
     return os.environ.get("PAGEDSERVE_REQUIRE_KERNELS", "") not in ("", "0")
 
 
-def build_key(cflags: list[str] | None = None) -> str:
+def build_key() -> str:
     """A digest of everything the build reads: change any of it and the kernels are rebuilt, else reused."""
     import torch
 
@@ -52,7 +52,7 @@ def build_key(cflags: list[str] | None = None) -> str:
     # torch's location and the sources': build.ninja names its include directories and source files, and ninja
     # rebuilds when that file changes (two checkouts of one commit would take turns rebuilding)
     parts += [torch.__version__, os.path.dirname(torch.__file__), str(CSRC.resolve()), sys.version,
-              *(cflags or CFLAGS), *LDFLAGS,
+              *CFLAGS, *LDFLAGS,
               machine.model,
               " ".join(sorted(machine.flags or ()))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
