@@ -173,12 +173,13 @@ class LLMEngine:
         2048-token steps), and the kernels' first calls are paid. The counters are reset; no block stays held.
         Only for engines that size prefill by time (the offline LLM does not)."""
         sched = self.config.scheduler
-        if sched.max_step_ms == 0 or sched.policy != "continuous":
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        tail = 8  # tokens of each batch request's own after the longest prompt
+        lengths = [n for n in WARM_UP_PROMPTS if n + tail + params.max_tokens <= self.max_model_len]
+        if sched.max_step_ms == 0 or sched.policy != "continuous" or not lengths:  # too short a context: unfitted
             return
         t0 = time.perf_counter()
         vocab = self.model_config.vocab_size
-        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-        lengths = [n for n in WARM_UP_PROMPTS if n < self.max_model_len]
         for rep in range(2):  # the first pass pays the kernels' first calls, the second is what the model keeps
             self.cost_model.reset()
             prompts = [[(7919 * i + 31 * j + rep) % vocab for j in range(n)] for i, n in enumerate(lengths)]
@@ -190,7 +191,7 @@ class LLMEngine:
             # at once: the rest would only repeat those steps)
             longest = max(prompts, key=len)
             for i in range(min(WARM_UP_BATCH, sched.max_num_seqs)):
-                self.add_request(f"warm-up-{rep}-b{i}", longest + [(104729 * i + 17 * j) % vocab for j in range(8)],
+                self.add_request(f"warm-up-{rep}-b{i}", longest + [(104729 * i + 17 * j) % vocab for j in range(tail)],
                                  params)
             while self.has_unfinished():
                 self.step()

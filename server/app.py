@@ -148,13 +148,13 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
         def load() -> None:
             try:
                 engine = engine_factory()
+                state.engine = start(engine, config, state.observe, loop)  # an AsyncEngine warms up first
             except BaseException as e:  # noqa: BLE001 - reported through /health
                 logger.exception("model failed to load")
                 state.load_error = e
                 if state.on_load_error is not None:
                     state.on_load_error()
                 return
-            state.engine = start(engine, config, state.observe, loop)
             logger.info("ready: serving %s (max_model_len %d)", config.served_model_name, engine.max_model_len)
 
         threading.Thread(target=load, name="pagedserve-load", daemon=True).start()

@@ -392,6 +392,35 @@ def test_disconnects_abort_and_free_blocks(make_engine):
         assert count == 25
 
 
+def test_a_failed_warm_up_is_a_failed_load(make_engine):
+    """The engine built but could not start (its warm-up raised): /health says the load failed and `serve`'s hook
+    ends the process, instead of "still loading" for ever."""
+    engine = make_engine(num_blocks=64, max_step_ms=0)
+
+    def start(*args):
+        raise RuntimeError("warm-up failed")
+
+    app = create_app(lambda: engine, ServerConfig(MODEL, AdmissionLimits()), start=start)
+    stopped = threading.Event()
+    app.state.pagedserve.on_load_error = stopped.set
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert stopped.wait(30)
+        r = None
+        for _ in range(200):
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            time.sleep(0.05)
+        assert r is not None and r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 def test_health_503_while_loading_and_after_engine_death(make_engine):
     gate = threading.Event()
     engine = make_engine(num_blocks=64)

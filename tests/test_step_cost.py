@@ -158,3 +158,18 @@ def test_a_serving_engine_is_fitted_before_its_first_request(make_engine):
     offline = make_engine(max_step_ms=0)
     offline.warm_up()  # sizes nothing by time: nothing to fit
     assert offline.cost_model.coef is None and offline.num_steps == 0
+
+
+def test_warm_up_fits_any_context_length():
+    """Every warm-up request (prompt, its batch tail, its tokens) fits the context, and a context too short for any
+    is left unfitted: a max_model_len near a warm-up prompt's length once made warm-up refuse its own request, and
+    the server then answered 503 for ever."""
+    from pagedserve.engine import LLMEngine, make_config
+
+    for n in (5, 19, 20, 100, 170):
+        engine = LLMEngine(make_config(model="random:tiny", device="cpu", dtype="float32", num_blocks=64,
+                                       max_model_len=n))
+        engine.warm_up()
+        assert not engine.has_unfinished() and engine.block_manager.usage() == 0.0
+        if n < 20 or n >= 100:  # nothing fits, or prompts of several lengths: fitted (in between, it may not be)
+            assert (engine.cost_model.coef is None) == (n < 20), n
