@@ -140,14 +140,18 @@ def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtyp
         group_size: int | None) -> list[Row]:
     from tqdm import tqdm
 
-    from pagedserve.engine.config import bundled_model_path
+    from pagedserve.engine.config import check_dtype
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.models.loader import gguf_has_q4, weight_bytes
+    from pagedserve.engine.models.resolver import resolve_model
     from pagedserve.engine.quant.loading import QuantSpec, resolve_group_size
 
-    model_path = model or bundled_model_path()
+    check_dtype(dtype)
+    model_path = resolve_model(model).path
     with open(text_path, encoding="utf-8") as f:
         text = f.read()
+    print(f"pagedserve eval: model {model or 'bundled SmolLM2-135M-Instruct'}, text {text_path}, {tokens} tokens, "
+          f"dtype {dtype}", file=sys.stderr)
     rows: list[Row] = []
     reference_paths, text_ids = None, None
     formats = ["none"] + [f for f in formats if f != "none"]
@@ -168,7 +172,7 @@ def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtyp
         if text_ids is None:  # the same tokenizer for every format: the text's first `tokens` tokens, once
             text_ids = tok.encode(text[:tokens * 16], add_special_tokens=False)[:tokens]
             if len(text_ids) < tokens:
-                raise SystemExit(f"{text_path} has only {len(text_ids)} tokens; need {tokens}")
+                raise ValueError(f"{text_path} has only {len(text_ids)} tokens; need {tokens}")
         prompts = battery_prompts(tok)
         ppl, score, paths, agree = evaluate(llm, text_ids, prompts, reference_paths, lambda s, f=fmt: step(f, s))
         step(fmt, "weight error")
@@ -223,9 +227,12 @@ def main(argv: list[str] | None = None) -> None:
     bad = [f for f in formats if f not in CHOICES + ("none",)]
     if bad:
         ap.error(f"unknown format(s) {bad}; choose from {', '.join(CHOICES)}")
-    print(f"pagedserve eval: model {args.model or 'bundled SmolLM2-135M-Instruct'}, text {args.text}, "
-          f"{args.tokens} tokens, dtype {args.dtype}", file=sys.stderr)
-    rows = run(args.model, formats, args.text, args.tokens, args.dtype, args.quant_group_size)
+    if args.tokens < 2:
+        ap.error(f"--tokens must be at least 2 (a perplexity scores tokens after the first), got {args.tokens}")
+    try:  # a model, text, dtype or group size that cannot be: one line
+        rows = run(args.model, formats, args.text, args.tokens, args.dtype, args.quant_group_size)
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
     print(format_table(rows, args.tokens))
     if args.json:
         with open(args.json, "w") as f:

@@ -10,6 +10,7 @@ for activations is 1.5 GiB. With those, its rows come out exactly (7B int8 in 16
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass
 
@@ -79,7 +80,7 @@ def shape_from_model(path: str | None) -> Shape:
 
 
 def parse_memory(text: str) -> float:
-    m = re.fullmatch(r"\s*([\d.]+)\s*(GB|GiB|G|MB|MiB|M)?\s*", text, re.IGNORECASE)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*(GB|GiB|G|MB|MiB|M)?\s*", text, re.IGNORECASE)
     if not m:
         raise ValueError(f"memory size {text!r}: use e.g. 8GB, 16GiB, 512MB")
     value, unit = float(m.group(1)), (m.group(2) or "GB").upper()
@@ -111,9 +112,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--headroom-gib", type=float, default=DEFAULT_HEADROOM_GIB, help="activations, allocator slack")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if args.model is not None:
-        shapes = [shape_from_model(args.model)]
-    else:
+    if not (math.isfinite(args.headroom_gib) and args.headroom_gib >= 0):
+        ap.error(f"--headroom-gib must be a number >= 0, got {args.headroom_gib}")
+    try:
+        memories = [(text.strip(), parse_memory(text)) for text in args.memory.split(",")]
+        shapes = [shape_from_model(args.model)] if args.model is not None else []
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
+    if args.model is None:
         names = [s.strip().lower() for s in (args.shape or ",".join(SHAPES)).split(",")]
         unknown = [n for n in names if n not in SHAPES]
         if unknown:
@@ -124,10 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         ap.error(f"unknown format(s) {bad}; known: {', '.join(WEIGHT_BITS)}")
     out = []
-    for mem_text in args.memory.split(","):
-        mem = parse_memory(mem_text)
+    for mem_text, mem in memories:
         rows = [plan(s, f, mem, args.kv_dtype, args.headroom_gib) for s in shapes for f in formats]
-        print(f"\n{mem_text.strip()} ({mem:g} GiB; KV {args.kv_dtype}; {args.headroom_gib:g} GiB headroom; "
+        print(f"\n{mem_text} ({mem:g} GiB; KV {args.kv_dtype}; {args.headroom_gib:g} GiB headroom; "
               f"grid = users x context)\n")
         print(format_table(rows))
         out += rows
