@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.engine import allocator
-from pagedserve.engine.config import opt
+from pagedserve.engine.config import check_bounds, opt
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine
 from pagedserve.engine.output_processor import RequestOutput
@@ -41,12 +41,17 @@ class OverloadedError(RuntimeError):
 @dataclass(frozen=True)
 class AdmissionLimits:
     max_waiting_requests: int | None = opt(
-        256, "requests allowed to wait for a slot (admitted, not yet running); more get 429 + Retry-After")
-    max_queued_tokens: int | None = opt(None, "prompt tokens allowed to wait; more get 429 + Retry-After")
+        256, "requests allowed to wait for a slot (admitted, not yet running); more get 429 + Retry-After",
+        bound=">= 1")
+    max_queued_tokens: int | None = opt(None, "prompt tokens allowed to wait; more get 429 + Retry-After",
+                                        bound=">= 1")
     max_queue_wait_s: float | None = opt(
         120.0, "longest a request may wait to start: one whose estimated start (queue depth over the measured "
                "start rate) is later gets 429 + Retry-After at once, and one still not started then gets 429 "
-               "instead of silence (0: no bound)")
+               "instead of silence (0: no bound)", bound=">= 0")
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
 
 
 # How many recent gaps between starts the start rate is measured over

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -17,10 +18,23 @@ ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3"
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
-def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None) -> Any:
+def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None,
+        bound: str | None = None) -> Any:
     """One user-facing option, defined once: its default and help live on the config field, and the CLI
-    builds its flag from it (`--field-name`, or `--flag`; booleans get `--x/--no-x`)."""
-    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
+    builds its flag from it (`--field-name`, or `--flag`; booleans get `--x/--no-x`). `bound` (">= 1", "> 0"): the
+    numbers it takes (finite ones only), checked by `check_bounds` when its config is built."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "bound": bound})
+
+
+def check_bounds(config: Any) -> None:
+    """Raise ValueError for a numeric option outside its `bound` (None, where allowed, is not checked)."""
+    for f in fields(config):
+        value, bound = getattr(config, f.name), f.metadata.get("bound")
+        if bound is None or value is None:
+            continue
+        op, limit = bound.split()
+        if not (math.isfinite(value) and (value > float(limit) if op == ">" else value >= float(limit))):
+            raise ValueError(f"{f.metadata['flag'] or f.name} must be {bound}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -134,38 +148,34 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device, kernel_policy: 
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = opt(16, "tokens per KV-cache block (a power of two)")
-    num_blocks: int | None = opt(None, "KV-cache blocks; an explicit count wins over --kv-cache-gib")
+    num_blocks: int | None = opt(None, "KV-cache blocks; an explicit count wins over --kv-cache-gib", bound=">= 1")
     memory_gib: float | None = opt(None, "KV-cache memory budget (default 1 GiB on CPU, 90%% of free GPU memory)",
-                                   flag="kv_cache_gib")
+                                   flag="kv_cache_gib", bound="> 0")
     enable_prefix_caching: bool = opt(True, "share KV blocks between requests with a common prefix",
                                       flag="prefix_caching")
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        check_bounds(self)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = opt(256, "max sequences per step")
-    max_num_batched_tokens: int = opt(2048, "token budget per step")
+    max_num_seqs: int = opt(256, "max sequences per step", bound=">= 1")
+    max_num_batched_tokens: int = opt(2048, "token budget per step", bound=">= 1")
     policy: str = opt("continuous", "continuous, or static (a fixed batch runs until its longest member ends)",
                       choices=("continuous", "static"))
     max_step_ms: float | None = opt(None, "step-time target in ms, the longest a running stream should wait for its "
                                           "next token: prefill chunks are sized by the measured step-cost model to "
                                           "keep steps under it (default: 5x what a decode step of every admitted "
                                           "and waiting request costs; 0: off, token budget only; the offline LLM "
-                                          "class defaults to 0)")
+                                          "class defaults to 0)", bound=">= 0")
 
     def __post_init__(self) -> None:
         if self.policy not in ("continuous", "static"):
             raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.max_step_ms is not None and self.max_step_ms < 0:
-            raise ValueError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
+        check_bounds(self)
 
 
 @dataclass(frozen=True)
@@ -184,8 +194,8 @@ class EngineConfig:
     kernel_policy: str | None = opt(None, "pin entries of the kernel dispatch table, e.g. 'prepack_fp32=off,"
                                           "dense_gemv_max_rows=4' (default: this machine's, its timing probes "
                                           "measured once and cached; see engine/layers/dispatch.py)")
-    max_model_len: int | None = opt(None, "context length (default: the model's)")
-    seed: int = opt(0, "seed for random weights and unseeded sampling")
+    max_model_len: int | None = opt(None, "context length (default: the model's)", bound=">= 1")
+    seed: int = opt(0, "seed for random weights and unseeded sampling", bound=">= 0")
     quantization: str = opt("auto", "weight format: auto (a GGUF's quantized weights at the file's own bits, "
                                     "Q4_0 ... Q6_K; other weights as they are), none (dense), or requantized: "
                                     "int8 (per row), int4 (per group), nf4, per-tensor int8-tensor / int4-tensor",
@@ -198,8 +208,9 @@ class EngineConfig:
     speculative_method: str = opt("none", "speculative decoding: ngram (prompt lookup) or draft (--draft-model)",
                                   choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = opt(4, "most draft tokens per step (γ); fewer, or none, where the measured "
-                                         "acceptance says they would not pay")
-    prompt_lookup_min: int = opt(2, "ngram speculation: shortest suffix to look up in the request's tokens")
+                                         "acceptance says they would not pay", bound=">= 1")
+    prompt_lookup_min: int = opt(2, "ngram speculation: shortest suffix to look up in the request's tokens",
+                                 bound=">= 1")
     prompt_lookup_max: int = opt(5, "ngram speculation: longest suffix to look up")
     draft_model: str | None = opt(None, "draft model for --speculative-method draft (same tokenizer; "
                                         "default: the target itself, in --draft-dtype / --draft-quantization)")
@@ -208,13 +219,14 @@ class EngineConfig:
                                   choices=("none", "int8", "int4", "nf4", "int8-tensor", "int4-tensor"))
     tensor_parallel_size: int = opt(1, "split the model across this many ranks (Megatron-style: heads, MLP columns "
                                        "and vocabulary; rank 0 schedules and samples, ranks 1.. are worker "
-                                       "processes; gloo on CPU, NCCL on CUDA)")
+                                       "processes; gloo on CPU, NCCL on CUDA)", bound=">= 1")
     cpu_bind: str | None = opt(None, "CPUs of each tensor-parallel rank on this node, '|'-separated, e.g. "
                                      "'0-31|32-63' (one NUMA node each, as vLLM's VLLM_CPU_OMP_THREADS_BIND): a "
                                      "rank is pinned to its CPUs and runs one thread per CPU (default: no pinning, "
                                      "this machine's cores shared evenly)")
     nnodes: int = opt(1, "tensor-parallel ranks spread over this many hosts, tensor_parallel_size / nnodes each "
-                         "(as SGLang's --nnodes); every node runs the same command with its own --node-rank")
+                         "(as SGLang's --nnodes); every node runs the same command with its own --node-rank",
+                 bound=">= 1")
     node_rank: int = opt(0, "this host's place among --nnodes: 0 runs the server, the scheduler and ranks "
                             "0..; k > 0 runs only its worker ranks and exits when node 0 stops")
     dist_init_addr: str | None = opt(None, "host:port of node 0 (needed with --nnodes > 1): its rendezvous "
@@ -229,13 +241,14 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r}: this torch build sees no CUDA device")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"nnodes={self.nnodes} must be >= 1 and divide tensor_parallel_size="
-                             f"{self.tensor_parallel_size}")
+        check_bounds(self)
+        from pagedserve.engine.layers.dispatch import parse_policy
+
+        parse_policy(self.kernel_policy)  # its syntax now, not after the server has started
+        if self.seed >= 2**63:
+            raise ValueError(f"seed must be below 2**63, got {self.seed}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes} must divide tensor_parallel_size={self.tensor_parallel_size}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in 0..{self.nnodes - 1} (nnodes={self.nnodes})")
         if self.nnodes > 1 and self.dist_init_addr is None:
@@ -251,9 +264,7 @@ class EngineConfig:
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.speculative_method!r}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
 

@@ -71,7 +71,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if config.node_rank > 0:
         _serve_node(config)
         return
-    server = ServerConfig(**options(args, ServerConfig), limits=AdmissionLimits(**options(args, AdmissionLimits)))
+    try:
+        server = ServerConfig(**options(args, ServerConfig), limits=AdmissionLimits(**options(args, AdmissionLimits)))
+        replicas = ReplicaConfig(**options(args, ReplicaConfig))
+    except ValueError as e:
+        _fail(str(e))
     if server.api_key is None and os.environ.get("PAGEDSERVE_API_KEY"):  # keeps the key out of `ps`
         server = dataclasses.replace(server, api_key=os.environ["PAGEDSERVE_API_KEY"])
     if not server.api_keys() and not is_loopback(server.host) and not server.allow_insecure_no_auth:
@@ -83,7 +87,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
     config = dataclasses.replace(config, model=files.path)
     if server.served_model_name is None:
         server = dataclasses.replace(server, served_model_name=files.name)
-    replicas = ReplicaConfig(**options(args, ReplicaConfig))
     if replicas.replicas is not None:
         _serve_replicas(config, server, replicas)
         return
@@ -138,8 +141,6 @@ def _serve_node(config) -> None:
 
 def _serve_replicas(config, server, replicas) -> None:
     """Ray is imported here and only here: without --replicas the server never loads it."""
-    if replicas.replicas < 1:
-        _fail("--replicas must be at least 1")
     try:
         from pagedserve.server import ray_app
     except ImportError as e:

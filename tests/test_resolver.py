@@ -152,15 +152,29 @@ def test_bad_options_end_the_cli_in_one_line_before_the_model_loads(tmp_path):
         s.bind(("127.0.0.1", port))
 
 
-@pytest.mark.parametrize("argv", [[], ["nosuch"], ["serve", "--bogus"], ["serve", "--port", "abc"],
-                                  ["generate"], ["chat", "--max-tokens", "x"], ["eval", "--quantization", "int3"],
-                                  ["plan", "--kv-dtype", "fp7"], ["bench", "--request-rate", "-1"]])
-def test_a_bad_flag_ends_every_command_in_one_line(argv, capsys):
-    """argparse's own refusals too: exit 1 and one line, not the usage and exit 2."""
-    from pagedserve.server.cli import main
+@pytest.mark.parametrize("argv", [
+    [], ["nosuch"], ["serve", "--bogus"], ["serve", "--port", "abc"], ["serve", "--log-level", "foo"], ["generate"],
+    ["chat", "--max-tokens", "x"], ["eval", "--quantization", "int3"], ["plan", "--kv-dtype", "fp7"],
+    ["bench", "--request-rate", "-1"],
+    # values the option's type admits but its bound does not, refused before the model loads or the port is bound
+    ["serve", "--max-step-ms", "nan"], ["serve", "--kv-cache-gib", "inf"], ["serve", "--seed", str(2**70)],
+    ["serve", "--max-waiting-requests", "0"], ["serve", "--max-queue-wait-s", "-1"], ["serve", "--replicas", "0"],
+    ["serve", "--max-connections", "0"], ["serve", "--header-timeout-s", "nan"], ["serve", "--served-model-name", ""],
+    ["serve", "--host", ""], ["serve", "--api-key", ","], ["serve", "--kernel-policy", "dense_gemv_max_rows=x"],
+    ["generate", "hi", "--max-num-seqs", "0"], ["plan", "--memory", "8XB"], ["plan", "--headroom-gib", "nan"],
+    ["plan", "--model", "/nonexistent"], ["eval", "--tokens", "1"], ["eval", "--quantization", "none", "--dtype", "x"],
+    ["eval", "--quantization", "none", "--text", "/nonexistent"]])
+def test_a_bad_flag_ends_every_command_in_one_line(argv, capsys, monkeypatch):
+    """argparse's own refusals too: exit 1 and one line, not the usage and exit 2, nor a traceback."""
+    from pagedserve.server import cli
 
+    def too_far(*args):
+        raise AssertionError("got past the option checks")  # no port is bound, no model resolved, here
+
+    monkeypatch.setattr(cli, "_check_listen", too_far)
+    monkeypatch.setattr(cli, "_resolve_model", too_far)
     with pytest.raises(SystemExit) as e:
-        main(argv)
+        cli.main(argv)
     lines = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 1 and len(lines) == 1 and lines[0].startswith("pagedserve"), (argv, lines)
     assert ": error: " in lines[0]

@@ -337,7 +337,8 @@ def test_bad_multi_node_flags_are_refused_with_one_line():
     for kwargs, message in [(dict(nnodes=2), "nnodes=2 needs dist_init_addr"),
                             (dict(nnodes=2, node_rank=2, dist_init_addr=addr), "node_rank=2 must be in 0..1"),
                             (dict(nnodes=2, dist_init_addr="127.0.0.1"), "is not host:port"),
-                            (dict(nnodes=3, dist_init_addr=addr), "must be >= 1 and divide tensor_parallel_size=2")]:
+                            (dict(nnodes=3, dist_init_addr=addr), "nnodes=3 must divide tensor_parallel_size=2"),
+                            (dict(nnodes=0), "nnodes must be >= 1, got 0")]:
         with pytest.raises(ValueError, match=message):
             make_config(model="random:tiny", tensor_parallel_size=2, **kwargs)
     cli = subprocess.run(_node_command(addr, "--node-rank", "2"), capture_output=True, text=True, timeout=120)

@@ -103,7 +103,12 @@ def parse_policy(text: str | None) -> dict[str, Any]:
                 raise ValueError(f"kernel policy: {name} takes on/off, got {value!r}")
             out[name] = value in ("1", "true", "on", "yes")
         else:
-            out[name] = (float if types[name] in ("float", float) else int)(value)
+            kind = float if types[name] in ("float", float) else int
+            try:
+                out[name] = kind(value)
+            except ValueError:
+                raise ValueError(f"kernel policy: {name} takes {'a number' if kind is float else 'an integer'}, got "
+                                 f"{value!r}") from None
     return out
 
 
@@ -117,6 +122,8 @@ def kernel_table(device: torch.device, dtype: torch.dtype | None = None, policy:
     cpp = pinned["cpp"] if "cpp" in pinned else cpu_kernels.load()
     if cpp and not cpu_kernels.load():
         raise ValueError("kernel policy cpp=on, but the C++ kernels did not build")
+    if pinned.get("quant_gemm_amx") and not (cpp and cpu_kernels.amx_int8()):
+        raise ValueError("kernel policy quant_gemm_amx=on, but this CPU or build has no AMX-INT8")
 
     def decide(name: str, applies: bool, probe: Callable[[], tuple[bool, str]]) -> bool:
         if name in pinned:
