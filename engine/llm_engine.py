@@ -87,6 +87,10 @@ class LLMEngine:
         tp = None
         if config.tensor_parallel_size > 1:
             tp = self._start_workers(model, max_len)
+        elif config.cpu_bind is not None:  # one rank, this process: on its CPUs as a tensor-parallel rank would be
+            from pagedserve.engine.parallel.workers import pin
+
+            pin(config, 0)
         try:
             if model is None:
                 quant = QuantSpec.from_options(config.quantization, config.quant_group_size, config.quantize_lm_head)

@@ -332,6 +332,18 @@ def test_step_channel_refuses_strangers_and_wrong_ranks_then_takes_the_right_one
     assert len(refusals) == 3 and "expected ranks 1..1 of 2" in refusals[0] and "rank 5 of" in refusals[1]
 
 
+def test_cpu_bind_pins_a_single_rank_too():
+    """Without tensor parallelism --cpu-bind pins the engine's own process (it was checked, then ignored)."""
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    first = min(cpus)
+    try:
+        engine(cpu_bind=str(first))
+        assert os.sched_getaffinity(0) == {first} and torch.get_num_threads() == 1
+    finally:
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(threads)
+
+
 def test_bad_multi_node_flags_are_refused_with_one_line():
     addr = "127.0.0.1:29500"
     for kwargs, message in [(dict(nnodes=2), "nnodes=2 needs dist_init_addr"),
