@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.engine import allocator
-from pagedserve.engine.config import check_bounds, opt
+from pagedserve.engine.config import check_options, opt
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine
 from pagedserve.engine.output_processor import RequestOutput
@@ -51,7 +51,7 @@ class AdmissionLimits:
                "instead of silence (0: no bound)", bound=">= 0")
 
     def __post_init__(self) -> None:
-        check_bounds(self)
+        check_options(self)
 
 
 # How many recent gaps between starts the start rate is measured over

@@ -18,23 +18,27 @@ ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3"
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
-def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None,
+def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None,
         bound: str | None = None) -> Any:
     """One user-facing option, defined once: its default and help live on the config field, and the CLI
-    builds its flag from it (`--field-name`, or `--flag`; booleans get `--x/--no-x`). `bound` (">= 1", "> 0"): the
-    numbers it takes (finite ones only), checked by `check_bounds` when its config is built."""
+    builds its flag from it (`--field-name`, or `--flag`; booleans get `--x/--no-x`). `choices`, or `bound`
+    (">= 1", "> 0": finite numbers only): the values it takes, checked by `check_options` when its config is built."""
     return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "bound": bound})
 
 
-def check_bounds(config: Any) -> None:
-    """Raise ValueError for a numeric option outside its `bound` (None, where allowed, is not checked)."""
+def check_options(config: Any) -> None:
+    """Raise ValueError for an option outside its choices or bound (None, where allowed, is not checked)."""
     for f in fields(config):
-        value, bound = getattr(config, f.name), f.metadata.get("bound")
-        if bound is None or value is None:
+        value, choices, bound = getattr(config, f.name), f.metadata.get("choices"), f.metadata.get("bound")
+        name = f.metadata.get("flag") or f.name
+        if value is None:
             continue
-        op, limit = bound.split()
-        if not (math.isfinite(value) and (value > float(limit) if op == ">" else value >= float(limit))):
-            raise ValueError(f"{f.metadata['flag'] or f.name} must be {bound}, got {value}")
+        if choices is not None and value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+        if bound is not None:
+            op, limit = bound.split()
+            if not (math.isfinite(value) and (value > float(limit) if op == ">" else value >= float(limit))):
+                raise ValueError(f"{name} must be {bound}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        check_bounds(self)
+        check_options(self)
 
 
 @dataclass(frozen=True)
@@ -173,9 +177,7 @@ class SchedulerConfig:
                                           "class defaults to 0)", bound=">= 0")
 
     def __post_init__(self) -> None:
-        if self.policy not in ("continuous", "static"):
-            raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
-        check_bounds(self)
+        check_options(self)
 
 
 @dataclass(frozen=True)
@@ -200,9 +202,9 @@ class EngineConfig:
                                     "Q4_0 ... Q6_K; other weights as they are), none (dense), or requantized: "
                                     "int8 (per row), int4 (per group), nf4, per-tensor int8-tensor / int4-tensor",
                             choices=("auto", "none", "int8", "int4", "nf4", "int8-tensor", "int4-tensor"))
-    quant_group_size: int | None = opt(None, "int4 group size along the input dim, 32/64/128/256 (default: 32 "
-                                             "for a GGUF of Q4 blocks, else the largest of 128/64/32 dividing "
-                                             "every matrix)")
+    quant_group_size: int | None = opt(None, "int4 group size along the input dim (default: 32 for a GGUF of Q4 "
+                                             "blocks, else the largest of 128/64/32 dividing every matrix)",
+                                       choices=(32, 64, 128, 256))
     quantize_lm_head: bool | None = opt(None, "quantize the LM head and embeddings too (default: on for int8, "
                                               "int8-tensor and int4; int4 keeps the head in int8)")
     speculative_method: str = opt("none", "speculative decoding: ngram (prompt lookup) or draft (--draft-model)",
@@ -241,7 +243,7 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r}: this torch build sees no CUDA device")
-        check_bounds(self)
+        check_options(self)
         from pagedserve.engine.layers.dispatch import parse_policy
 
         parse_policy(self.kernel_policy)  # its syntax now, not after the server has started
@@ -261,12 +263,16 @@ class EngineConfig:
             if cpus - usable:
                 raise ValueError(f"cpu_bind {self.cpu_bind!r}: CPUs {sorted(cpus - usable)} are not available here "
                                  f"(this process may run on {sorted(usable)})")
-        if self.speculative_method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                             f"got {self.speculative_method!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    def context_length(self, model: ModelConfig) -> int:
+        """max_model_len, or the model's own; more than the model's is refused."""
+        if self.max_model_len is not None and self.max_model_len > model.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context length "
+                             f"{model.max_position_embeddings}")
+        return self.max_model_len or model.max_position_embeddings
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -77,10 +77,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device, config.kernel_policy)
         self.kernels = kernel_table(self.device, self.dtype, config.kernel_policy)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer or model_path)
-        max_len = config.max_model_len or self.model_config.max_position_embeddings
-        if max_len > self.model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_len} exceeds the model's context length "
-                             f"{self.model_config.max_position_embeddings}")
+        max_len = config.context_length(self.model_config)
         t0 = time.perf_counter()
         torch.manual_seed(config.seed)
         self.workers = None  # tensor-parallel ranks 1..N-1 (engine/parallel/workers.py)

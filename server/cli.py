@@ -115,15 +115,17 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def _resolve_model(config):
-    """The model's files, checked to split over the tensor-parallel ranks: a model that cannot load ends the
-    process here, with one line."""
+    """The model's files, checked to fit the context asked for and to split over the tensor-parallel ranks: a
+    model that cannot load ends the process here, with one line."""
     from pagedserve.engine.models.loader import load_config
     from pagedserve.engine.models.resolver import resolve_model
     from pagedserve.engine.parallel.group import check_tensor_parallel
 
     try:
         files = resolve_model(config.model, config.revision, config.gguf_file)
-        check_tensor_parallel(load_config(files.path), config.tensor_parallel_size)
+        model_config = load_config(files.path)
+        config.context_length(model_config)
+        check_tensor_parallel(model_config, config.tensor_parallel_size)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
     return files

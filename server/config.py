@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.engine.async_engine import AdmissionLimits
-from pagedserve.engine.config import check_bounds, opt
+from pagedserve.engine.config import check_options, opt
 
 
 @dataclass
@@ -35,7 +35,7 @@ class ServerConfig:
     disconnect_poll_s: float = 0.1
 
     def __post_init__(self) -> None:
-        check_bounds(self)
+        check_options(self)
         for name in ("served_model_name", "host", "api_key"):
             if getattr(self, name) is not None and not getattr(self, name).strip(" ,"):
                 raise ValueError(f"{name} must not be empty")
@@ -63,4 +63,4 @@ class ReplicaConfig:
     router_kwargs: dict = field(default_factory=dict)  # PrefixAffinity's thresholds
 
     def __post_init__(self) -> None:
-        check_bounds(self)
+        check_options(self)

@@ -141,7 +141,8 @@ def test_bad_options_end_the_cli_in_one_line_before_the_model_loads(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     with socket.create_server(("127.0.0.1", 0)) as taken:
         cases = [["serve", "--port", "70000"], ["serve", "--port", str(taken.getsockname()[1])],
-                 ["serve", "--port", str(port), "--device", "foo"], ["generate", "hi", "--temperature", "-1"]]
+                 ["serve", "--port", str(port), "--device", "foo"], ["generate", "hi", "--temperature", "-1"],
+                 ["serve", "--port", str(port), "--max-model-len", "1000000"]]
         for args in cases:
             out = subprocess.run([sys.executable, "-m", "pagedserve.server.cli", *args], cwd=REPO, env=env,
                                  capture_output=True, text=True, timeout=120)
@@ -161,6 +162,7 @@ def test_bad_options_end_the_cli_in_one_line_before_the_model_loads(tmp_path):
     ["serve", "--max-waiting-requests", "0"], ["serve", "--max-queue-wait-s", "-1"], ["serve", "--replicas", "0"],
     ["serve", "--max-connections", "0"], ["serve", "--header-timeout-s", "nan"], ["serve", "--served-model-name", ""],
     ["serve", "--host", ""], ["serve", "--api-key", ","], ["serve", "--kernel-policy", "dense_gemv_max_rows=x"],
+    ["serve", "--quant-group-size", "7"],
     ["generate", "hi", "--max-num-seqs", "0"], ["plan", "--memory", "8XB"], ["plan", "--headroom-gib", "nan"],
     ["plan", "--model", "/nonexistent"], ["eval", "--tokens", "1"], ["eval", "--quantization", "none", "--dtype", "x"],
     ["eval", "--quantization", "none", "--text", "/nonexistent"]])
