@@ -68,6 +68,21 @@ def test_local_paths(tmp_path, smollm):
         resolve_model(str(tmp_path / "weights.bin"))
 
 
+def test_a_draft_model_is_not_looked_up_by_the_targets_file_name(tmp_path, smollm):
+    """--gguf-file picks the target's file among several; the draft model is found by its own name."""
+    from pagedserve.engine import LLMEngine, make_config
+
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    target.mkdir()
+    draft.mkdir()
+    for name in ("m-Q4_1.gguf", "m-Q8_0.gguf"):
+        (target / name).symlink_to(smollm.path)
+    (draft / "small.gguf").symlink_to(smollm.path)
+    engine = LLMEngine(make_config(model=str(target), gguf_file="m-Q4_1.gguf", speculative_method="draft",
+                                   draft_model=str(draft), dtype="float32", device="cpu", num_blocks=32))
+    assert engine.model_path == str(target / "m-Q4_1.gguf")
+
+
 def test_repo_ids_from_a_laid_out_cache(offline_hub, tiny_hf_dir, smollm):
     snap = hub_repo(offline_hub, "org/tiny", {p.name: p for p in tiny_hf_dir.iterdir()})
     got = resolve_model("org/tiny")
