@@ -73,11 +73,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
         return
     try:
         server = ServerConfig(**options(args, ServerConfig), limits=AdmissionLimits(**options(args, AdmissionLimits)))
+        if server.api_key is None and os.environ.get("PAGEDSERVE_API_KEY"):  # keeps the key out of `ps`
+            server = dataclasses.replace(server, api_key=os.environ["PAGEDSERVE_API_KEY"])
         replicas = ReplicaConfig(**options(args, ReplicaConfig))
     except ValueError as e:
         _fail(str(e))
-    if server.api_key is None and os.environ.get("PAGEDSERVE_API_KEY"):  # keeps the key out of `ps`
-        server = dataclasses.replace(server, api_key=os.environ["PAGEDSERVE_API_KEY"])
     if not server.api_keys() and not is_loopback(server.host) and not server.allow_insecure_no_auth:
         _fail(f"refusing to serve on {server.host} without an API key: anyone who can reach it could use the model "
               "and read the metrics. Set --api-key (or PAGEDSERVE_API_KEY), or pass --allow-insecure-no-auth if the "

@@ -168,6 +168,20 @@ def test_bad_options_end_the_cli_in_one_line_before_the_model_loads(tmp_path):
         s.bind(("127.0.0.1", port))
 
 
+@pytest.fixture
+def cli_checks_only(monkeypatch):
+    """The CLI module, with the port check and the model's resolution replaced by a failure: a test of the option
+    checks can neither bind a port nor load a model, whatever regresses."""
+    from pagedserve.server import cli
+
+    def too_far(*args):
+        raise AssertionError("got past the option checks")
+
+    monkeypatch.setattr(cli, "_check_listen", too_far)
+    monkeypatch.setattr(cli, "_resolve_model", too_far)
+    return cli
+
+
 @pytest.mark.parametrize("argv", [
     [], ["nosuch"], ["serve", "--bogus"], ["serve", "--port", "abc"], ["serve", "--log-level", "foo"], ["generate"],
     ["chat", "--max-tokens", "x"], ["eval", "--quantization", "int3"], ["plan", "--kv-dtype", "fp7"],
@@ -181,20 +195,20 @@ def test_bad_options_end_the_cli_in_one_line_before_the_model_loads(tmp_path):
     ["generate", "hi", "--max-num-seqs", "0"], ["plan", "--memory", "8XB"], ["plan", "--headroom-gib", "nan"],
     ["plan", "--model", "/nonexistent"], ["eval", "--tokens", "1"], ["eval", "--quantization", "none", "--dtype", "x"],
     ["eval", "--quantization", "none", "--text", "/nonexistent"]])
-def test_a_bad_flag_ends_every_command_in_one_line(argv, capsys, monkeypatch):
+def test_a_bad_flag_ends_every_command_in_one_line(argv, capsys, cli_checks_only):
     """argparse's own refusals too: exit 1 and one line, not the usage and exit 2, nor a traceback."""
-    from pagedserve.server import cli
-
-    def too_far(*args):
-        raise AssertionError("got past the option checks")  # no port is bound, no model resolved, here
-
-    monkeypatch.setattr(cli, "_check_listen", too_far)
-    monkeypatch.setattr(cli, "_resolve_model", too_far)
     with pytest.raises(SystemExit) as e:
-        cli.main(argv)
+        cli_checks_only.main(argv)
     lines = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 1 and len(lines) == 1 and lines[0].startswith("pagedserve"), (argv, lines)
     assert ": error: " in lines[0]
+
+
+def test_an_empty_api_key_from_the_environment_is_refused_too(capsys, cli_checks_only, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", ",")  # read where --api-key is not given
+    with pytest.raises(SystemExit) as e:
+        cli_checks_only.main(["serve"])
+    assert e.value.code == 1 and capsys.readouterr().err == "pagedserve: error: api_key must not be empty\n"
 
 
 @pytest.mark.parametrize("option", [dict(dtype="foo"), dict(draft_dtype="fp8"), dict(device="foo"),
