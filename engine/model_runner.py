@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -124,9 +125,9 @@ class ModelRunner:
 
     def _num_blocks(self) -> int:
         cache = self.config.cache
-        if cache.num_blocks is not None:
-            return cache.num_blocks
         per_block = self.kv_bytes_per_token * self.block_size
+        if cache.num_blocks is not None:
+            return self._fits_memory(cache.num_blocks, per_block)
         if cache.memory_gib is not None:
             budget = cache.memory_gib * 2**30
         elif self.device.type == "cuda":
@@ -143,7 +144,18 @@ class ModelRunner:
             num = int(self.tp.all_reduce(torch.tensor([num], device=self.device), dist.ReduceOp.MIN).item())
         if num < 1:
             raise ValueError(f"KV-cache budget of {budget / 2**30:.2f} GiB holds no {per_block}-byte block")
-        return num
+        return self._fits_memory(num, per_block)
+
+    def _fits_memory(self, num_blocks: int, per_block: int) -> int:
+        """num_blocks, refused in one line where they need more than this machine's memory (the zeroed cache
+        would fail its allocation with a traceback, or be killed for memory while it zeroes)."""
+        need = num_blocks * per_block
+        if self.device.type == "cpu" and hasattr(os, "sysconf"):
+            memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            if need > memory:
+                raise ValueError(f"a KV cache of {num_blocks} blocks needs {need / 2**30:.1f} GiB, more than this "
+                                 f"machine's {memory / 2**30:.1f} GiB of memory: lower --kv-cache-gib or --num-blocks")
+        return num_blocks
 
     def _profile_forward(self) -> None:
         """The largest step the scheduler can build: max_num_batched_tokens prompt tokens of one sequence (through

@@ -216,3 +216,12 @@ def test_an_empty_api_key_from_the_environment_is_refused_too(capsys, cli_checks
 def test_engine_options_are_checked(option):
     with pytest.raises(ValueError, match=next(iter(option))):
         make_config(**option)
+
+
+@pytest.mark.parametrize("option", [dict(num_blocks=10**12), dict(memory_gib=1e5)])
+def test_a_kv_cache_larger_than_the_machine_is_refused(option):
+    """One line naming the size and the options, instead of the allocator's traceback (or the OOM killer)."""
+    from pagedserve.engine import LLMEngine
+
+    with pytest.raises(ValueError, match=r"GiB, more than this machine's .* --kv-cache-gib or --num-blocks"):
+        LLMEngine(make_config(model="random:tiny", device="cpu", dtype="float32", **option))
