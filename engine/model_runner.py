@@ -103,8 +103,7 @@ class ModelRunner:
     def _capture_graphs(self):
         from pagedserve.engine.graph_runner import DecodeGraphRunner
 
-        max_len = self.config.max_model_len or self.model_config.max_position_embeddings
-        max_len = min(max_len, self.kv_capacity_tokens)
+        max_len = min(self.config.context_length(self.model_config), self.kv_capacity_tokens)
         try:
             return DecodeGraphRunner(self.model, self.kv_caches, min(self.config.scheduler.max_num_seqs, 256),
                                      max_len, self.block_size, self.device)
