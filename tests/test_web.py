@@ -251,22 +251,33 @@ def test_with_an_api_key_the_page_gets_no_data_until_given_the_key(make_engine, 
         context = browser.new_context()
         page = context.new_page()
         seen: list[tuple[str, int]] = []
-        page.on("response", lambda r: seen.append((r.url, r.status)) if "/v1/" in r.url else None)
-        page.goto(f"{base}/dashboard")
+        page.on("response", lambda r: seen.append((r.url.removeprefix(base), r.status)) if "/v1/" in r.url else None)
+
+        def answered(action) -> list[tuple[str, int]]:
+            """The two calls `action` makes the page send (model, engine state), once both are answered."""
+            start = len(seen)
+            action()
+            for _ in range(200):
+                if len(seen) >= start + 2:
+                    break
+                page.wait_for_timeout(50)
+            return sorted(seen[start : start + 2])
+
+        first = answered(lambda: page.goto(f"{base}/dashboard"))
         page.wait_for_selector("#key-dialog[open]")
         page.wait_for_function("() => !document.getElementById('engine-error').hidden")
-        assert {u.removeprefix(base) for u, _ in seen} == {"/v1/models", "/v1/engine/state"}
-        assert all(status == 401 for _, status in seen), seen
+        assert first == [("/v1/engine/state", 401), ("/v1/models", 401)], first
         assert page.inner_text("#st-running") == "—" and page.inner_text("#model") == ""
         assert "API key" in page.inner_text("#engine-error") and page.locator("#seqs tbody tr").count() == 0
         page.fill("#key-input", "wrong")
-        page.click("#key-save")
+        assert answered(lambda: page.click("#key-save")) == [("/v1/engine/state", 401), ("/v1/models", 401)]
         page.wait_for_selector("#key-dialog[open]")  # refused: asked again
-        assert all(status == 401 for _, status in seen) and page.inner_text("#st-running") == "—"
+        assert page.inner_text("#st-running") == "—"
         page.fill("#key-input", "sesame-key")
-        page.click("#key-save")
+        assert answered(lambda: page.click("#key-save")) == [("/v1/engine/state", 200), ("/v1/models", 200)]
         page.wait_for_function("() => document.getElementById('st-running').textContent === '0'")
-        assert page.inner_text("#model").startswith(MODEL) and seen[-1][1] == 200
+        page.wait_for_function("() => document.getElementById('model').textContent !== ''")
+        assert page.inner_text("#model").startswith(MODEL) and not page.locator("#key-dialog[open]").count()
         assert page.evaluate("sessionStorage.getItem('pagedserve.key')") == "sesame-key"
         assert "sesame-key" not in page.evaluate("JSON.stringify(localStorage)")
         context.close()

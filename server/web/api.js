@@ -12,12 +12,16 @@ export const auth = {
   },
 };
 
-// fetch() with the key; a 401 asks for one (once at a time) and is returned to the caller as it is
+// fetch() with the key; a 401 asks for one (once at a time) and is returned to the caller as it is.
+// A 401 for a key the user has since replaced asks nothing: the new key's own requests decide.
 export async function api(path, options = {}) {
+  const key = auth.key();
   const headers = { ...(options.headers || {}) };
-  if (auth.key()) headers.Authorization = `Bearer ${auth.key()}`;
+  if (key) headers.Authorization = `Bearer ${key}`;
   const r = await fetch(path, { ...options, headers });
-  if (r.status === 401) askForKey(auth.key() ? "The server refused this key." : "This server needs an API key.");
+  if (r.status === 401 && key === auth.key()) {
+    askForKey(key ? "The server refused this key." : "This server needs an API key.");
+  }
   return r;
 }
 
