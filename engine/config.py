@@ -244,6 +244,11 @@ class EngineConfig:
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r}: this torch build sees no CUDA device")
         check_options(self)
+        runs_on = {"cpu": "cpu", "triton": "cuda"}.get(self.attention_backend)  # Triton's interpreter runs on CPU
+        interpreted = self.attention_backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+        if runs_on not in (None, self.torch_device().type) and not interpreted:
+            raise ValueError(f"attention_backend={self.attention_backend} runs on {runs_on}, not on "
+                             f"{self.torch_device().type}")
         from pagedserve.engine.layers.dispatch import parse_policy
 
         parse_policy(self.kernel_policy)  # its syntax now, not after the server has started

@@ -191,12 +191,13 @@ def cli_checks_only(monkeypatch):
     ["serve", "--max-waiting-requests", "0"], ["serve", "--max-queue-wait-s", "-1"], ["serve", "--replicas", "0"],
     ["serve", "--max-connections", "0"], ["serve", "--header-timeout-s", "nan"], ["serve", "--served-model-name", ""],
     ["serve", "--host", ""], ["serve", "--api-key", ","], ["serve", "--kernel-policy", "dense_gemv_max_rows=x"],
-    ["serve", "--quant-group-size", "7"],
+    ["serve", "--quant-group-size", "7"], ["serve", "--device", "cpu", "--attention-backend", "triton"],
     ["generate", "hi", "--max-num-seqs", "0"], ["plan", "--memory", "8XB"], ["plan", "--headroom-gib", "nan"],
     ["plan", "--model", "/nonexistent"], ["eval", "--tokens", "1"], ["eval", "--quantization", "none", "--dtype", "x"],
     ["eval", "--quantization", "none", "--text", "/nonexistent"]])
-def test_a_bad_flag_ends_every_command_in_one_line(argv, capsys, cli_checks_only):
+def test_a_bad_flag_ends_every_command_in_one_line(argv, capsys, cli_checks_only, monkeypatch):
     """argparse's own refusals too: exit 1 and one line, not the usage and exit 2, nor a traceback."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # conftest's: Triton on a CPU only in tests
     with pytest.raises(SystemExit) as e:
         cli_checks_only.main(argv)
     lines = capsys.readouterr().err.strip().splitlines()
