@@ -7,7 +7,7 @@ short sleep between them; its behaviour is picked by the request's model name:
   fake-nousage   never sends usage (the bench falls back to counting content chunks)
   fake-error     an `{"error": ...}` event after two chunks
   fake-garbage   a malformed chunk after two chunks
-  fake-slow      100 ms per chunk (for --max-duration)
+  fake-slow      one chunk, then never another (only --max-duration ends it)
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ def make_app(state: FakeState) -> FastAPI:
                  "total_tokens": 0}
         usage["total_tokens"] = usage["prompt_tokens"] + n
         want_usage = (body.get("stream_options") or {}).get("include_usage") and model != "fake-nousage"
-        sleep = 0.1 if model == "fake-slow" else CHUNK_SLEEP_S
         base = {"id": "cmpl-1", "created": 0, "model": model,
                 "object": "chat.completion.chunk" if chat else "text_completion"}
 
@@ -86,7 +85,9 @@ def make_app(state: FakeState) -> FastAPI:
             if chat:  # role-only first chunk: has no content, so it must not stop the TTFT clock
                 yield sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
             for i in range(n):
-                await asyncio.sleep(sleep)
+                await asyncio.sleep(CHUNK_SLEEP_S)
+                if model == "fake-slow" and i == 1:
+                    await asyncio.Event().wait()
                 if model == "fake-error" and i == 2:
                     yield sse({"error": {"message": "engine died", "type": "server_error"}})
                     return
@@ -120,7 +121,7 @@ def fake_server() -> Iterator[tuple[str, FakeState]]:
     server = uvicorn.Server(uvicorn.Config(make_app(state), log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not server.started:
         assert time.monotonic() < deadline, "fake server did not start"
         time.sleep(0.01)
@@ -257,13 +258,12 @@ def test_warmup_failure_is_a_clear_error(server: tuple[str, FakeState], capsys: 
 
 def test_max_duration_cancels_outstanding(server: tuple[str, FakeState]) -> None:
     url, _ = server
-    t0 = time.monotonic()
     res = bench(url, "--model", "fake-slow", "--num-warmups", "0", "--num-prompts", "4", "--max-concurrency",
                 "2", "--max-duration", "0.5")
-    assert time.monotonic() - t0 < 3
+    # the fake never finishes a stream: returning at all means the cap cancelled them
     assert res["completed"] == 0 and res["failed"] == 4 and res["cancelled"] == 4
     assert sum(r["send_time"] is None for r in res["requests"]) == 2  # queued behind the cap, never sent
-    assert res["duration"] == pytest.approx(0.5, abs=0.3)
+    assert res["duration"] >= 0.5
 
 
 def test_prose_and_prefix_workloads(server: tuple[str, FakeState]) -> None:

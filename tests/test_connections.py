@@ -19,10 +19,15 @@ from pagedserve.engine.async_engine import AdmissionLimits
 
 
 def _response(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (the socket's timeout fails a hang)."""
+    """Everything the server sends until it closes the connection (the socket's timeout fails a hang). A reset
+    after the reply ends it too: the kernel answers bytes a client sends after the close (a trickler's next
+    header byte) with one, and the reply read before it stays read."""
     data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
     return data
 
 
