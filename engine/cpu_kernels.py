@@ -19,6 +19,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -51,9 +52,10 @@ def build_key() -> str:
     parts = [p.name + "\0" + p.read_text() for p in sources]
     # torch's location and the sources': build.ninja names its include directories and source files, and ninja
     # rebuilds when that file changes (two checkouts of one commit would take turns rebuilding)
+    # and the ninja torch runs (the first on PATH): two ninja versions read each other's .ninja_log as foreign and
+    # rebuild everything, and an activated venv (pip's ninja) and `.venv/bin/python` (the system's) find different ones
     parts += [torch.__version__, os.path.dirname(torch.__file__), str(CSRC.resolve()), sys.version,
-              *CFLAGS, *LDFLAGS,
-              machine.model,
+              os.path.realpath(shutil.which("ninja") or ""), *CFLAGS, *LDFLAGS, machine.model,
               " ".join(sorted(machine.flags or ()))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 

@@ -7,6 +7,7 @@ sequence owns hold NaN on the kernel's side, so any read outside a sequence's co
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -136,6 +137,19 @@ def test_a_build_killed_midway_does_not_hang_later_starts():
     code = "from pagedserve.engine import cpu_kernels; assert cpu_kernels.load()"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
     assert not stale.exists()
+
+
+def test_each_ninja_builds_into_its_own_directory(monkeypatch, tmp_path):
+    """An activated venv finds pip's ninja, `.venv/bin/python` the system's: of two versions, each reads the other's
+    .ninja_log as foreign and rebuilds everything, so sharing one directory rebuilt the kernels at every switch."""
+    from pagedserve.engine import cpu_kernels
+
+    other = tmp_path / "ninja"
+    other.write_text("#!/bin/sh\necho 1.0.0\n")
+    other.chmod(0o755)
+    before = cpu_kernels.build_dir()
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert cpu_kernels.build_dir() != before
 
 
 def test_compile_failure_falls_back_to_the_reference_or_fails_when_required(monkeypatch, tmp_path, caplog):
