@@ -197,8 +197,8 @@ def cmd_chat(args: argparse.Namespace) -> None:
     the conversation; Ctrl-C at the prompt, Ctrl-D or an empty line ends it."""
     import openai
 
-    client = openai.OpenAI(base_url=args.base_url, api_key=os.environ.get("PAGEDSERVE_API_KEY") or "none",
-                           max_retries=1, timeout=600)
+    key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY") or "none"
+    client = openai.OpenAI(base_url=args.base_url, api_key=key, max_retries=1, timeout=600)
     try:
         model = args.model or client.models.list().data[0].id
     except openai.APIConnectionError:
@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("chat", help="interactive chat with a running server")
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--api-key", default=None, help="the server's key (default $PAGEDSERVE_API_KEY, then "
+                                                  "$OPENAI_API_KEY; a command line is visible to other users)")
     p.add_argument("--model", default=None)
     p.add_argument("--system", default=None)
     p.add_argument("--max-tokens", type=int, default=512)

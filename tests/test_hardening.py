@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -123,6 +126,22 @@ def test_api_keys_401_like_openai(server):
         openai.OpenAI(base_url=f"{base}/v1", api_key="nope", max_retries=0).models.list()
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEYS[1], max_retries=0, timeout=60)
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_chat_cli_with_and_without_the_key(server, monkeypatch):
+    """`pagedserve chat` against a keyed server: a missing key is one line and exit 1, --api-key or
+    PAGEDSERVE_API_KEY gets the reply."""
+    base, _ = server
+    monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    chat = [sys.executable, "-m", "pagedserve.server", "chat", "--base-url", f"{base}/v1", "--max-tokens", "4"]
+    for extra, env in (([], {}), (["--api-key", KEYS[0]], {}), ([], {"PAGEDSERVE_API_KEY": KEYS[1]})):
+        out = subprocess.run(chat + extra, input="Hi\n\n", capture_output=True, text=True, timeout=120,
+                             env={**os.environ, **env})
+        if not extra and not env:
+            assert out.returncode == 1 and out.stderr.strip().count("\n") == 0 and "401" in out.stderr, out.stderr
+        else:
+            assert out.returncode == 0 and "assistant> " in out.stdout, out.stderr
 
 
 def test_405_carries_allow(server):
@@ -270,7 +289,6 @@ def test_a_huge_prompt_does_not_freeze_streams_or_health(make_engine):
 
 
 def test_cli_refuses_a_public_address_without_a_key(tmp_path):
-    import os
     import subprocess
     import sys
 
