@@ -29,6 +29,25 @@ from pagedserve.engine.tokenizer import load_tokenizer  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def q8_0(x: torch.Tensor) -> torch.Tensor:
+    """x as our quantized GEMVs multiply it: int8 codes with a scale per 32 values (llama.cpp's Q8_0), dequantized,
+    in fp32."""
+    b = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    # the kernel's fp32 ops, so the same codes, ties included (`127 / amax` would be torch's reciprocal times 127)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)
+    return (torch.round(b * inv) * (amax / 127)).reshape(x.shape)
+
+
+def quant_reference(lin, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What a quantized Linear should compute for x, up to fp32 summation order: x @ w^T (w: the dequantized
+    weight), with x as q8_0(x) where our GEMV serves x's rows. Held to this, a kernel's error is its own, not
+    hidden under the activations' ~0.5 %."""
+    route = next(r for r in lin.routes if x.shape[0] <= r.max_rows)
+    ours = route.kernel == f"{getattr(lin.qweight, 'kind', None)} GEMV (ours)"
+    return (q8_0(x) if ours else x.float()) @ w.float().t()
+
+
 @dataclass
 class Bundled:
     path: str

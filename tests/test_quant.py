@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import quant_reference
 
 from pagedserve.engine import cpu_kernels
 from pagedserve.engine.layers.dispatch import KernelTable, kernel_table
@@ -26,13 +27,11 @@ from pagedserve.engine.quant.nf4 import NF4_LEVELS, NF4Weight
 
 ACT_DTYPES = [torch.float32] + ([torch.bfloat16] if cpu().native_bf16 else [])
 TABLE = KernelTable()
-INT8_PACKED_MAX_M = INT4_GEMV_MAX_M = TABLE.quant_gemv_max_rows
-# relative error of a kernel's x @ W^T against x @ dequantize(W)^T: fp32 accumulation-order noise, or bf16
-# activations (8-bit mantissa) in the kernels and reference alike
+INT8_PACKED_MAX_M = TABLE.quant_gemv_max_rows  # our GEMVs up to here, our GEMM above
+# relative error of a kernel's x @ W^T against conftest.quant_reference (x @ dequantize(W)^T, with our GEMVs' int8
+# activation codes where they run): fp32 accumulation-order noise, or bf16 activations (8-bit mantissa) in the
+# kernels and reference alike
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-# our int8 and int4 GEMVs (M <= INT8_PACKED_MAX_M / INT4_GEMV_MAX_M) multiply int8 codes of the activations (a
-# scale per 32 values, as llama.cpp's Q8_0): ~5e-3 for Gaussian x (measured 4e-3 - 6e-3), in fp32 and bf16 alike
-GEMV_TOL = 1e-2
 # every split of a GEMV's rows into passes of 8, 4 and 1-3 rows, the threshold and the first GEMM row count
 ROW_COUNTS = [*range(1, 18), 31, INT8_PACKED_MAX_M, INT8_PACKED_MAX_M + 1]
 SHAPES = [(64, 128), (960, 576), (576, 1536), (3072, 576)]  # toy, then SmolLM2's qkv, down, gate|up
@@ -114,9 +113,7 @@ def test_kernels_match_dequantize_reference(fmt, shape, dtype):
         x = torch.randn(m, k).to(dtype)
         got = lin(x)
         assert got.dtype == dtype and got.shape == (m, n)
-        gemv = (fmt in ("int8", "int8-tensor") and m <= INT8_PACKED_MAX_M) or (
-            fmt in ("int4", "int4-tensor") and m <= INT4_GEMV_MAX_M)
-        assert _rel(got, x.float() @ ref_w.t()) < max(tol, GEMV_TOL if gemv else 0) * 2, (fmt, shape, m)
+        assert _rel(got, quant_reference(lin, x, ref_w)) < tol * 2, (fmt, shape, m)
 
 
 @pytest.mark.parametrize("dtype", ACT_DTYPES)
@@ -133,8 +130,7 @@ def test_int4_gemv_every_row_count_and_group(group, dtype):
     tol = TOL[getattr(qw, "kernel_dtype", None) or dtype]
     for m in ROW_COUNTS:
         x = torch.randn(m, k).to(dtype)
-        gemv = m <= INT4_GEMV_MAX_M
-        assert _rel(lin(x), x.float() @ ref_w.t()) < max(tol, GEMV_TOL if gemv else 0) * 2, (group, m)
+        assert _rel(lin(x), quant_reference(lin, x, ref_w)) < tol * 2, (group, m)
 
 
 @pytest.mark.parametrize("dtype", ACT_DTYPES)
@@ -149,9 +145,8 @@ def test_gemv_tails_and_long_rows(dtype):
         lin = linear(qw, dtype)
         for m in ROW_COUNTS:
             x = torch.randn(m, k).sign().to(dtype) * 3  # every activation code at full scale (+-127)
-            ours = qw.layout == "panels"
-            tol = GEMV_TOL if ours else TOL[getattr(qw, "kernel_dtype", None) or torch.bfloat16]
-            assert _rel(lin(x), x.float() @ ref_w.t()) < tol * 2, (fmt, n, m)
+            tol = TOL[dtype if qw.layout == "panels" else getattr(qw, "kernel_dtype", None) or torch.bfloat16]
+            assert _rel(lin(x), quant_reference(lin, x, ref_w)) < tol * 2, (fmt, n, m)
 
 
 @pytest.mark.parametrize("built", [True, False])
@@ -184,7 +179,7 @@ def test_int4_without_our_kernel_matches(zero):
     assert ours.layout == "panels" and theirs.layout == "torch" and theirs.kernel_dtype == torch.bfloat16
     for m in (1, 3):
         x = torch.randn(m, 128)
-        assert _rel(lin_ours(x), x @ ref_w.t()) < GEMV_TOL * 2
+        assert _rel(lin_ours(x), quant_reference(lin_ours, x, ref_w)) < TOL[torch.float32] * 2
         assert _rel(lin_theirs(x), x @ ref_w.t()) < TOL[theirs.kernel_dtype] * 2
 
 
@@ -330,7 +325,7 @@ def test_gguf_blocks_map_directly(kind):
     if kind == "Q4_1":  # and the CPU kernel computes with those values
         lin = linear(qw, torch.float32)
         x = torch.randn(2, shape[1])
-        assert qw.layout == "panels" and _rel(lin(x), x @ torch.from_numpy(ref).t()) < GEMV_TOL
+        assert qw.layout == "panels" and _rel(lin(x), quant_reference(lin, x, torch.from_numpy(ref))) < TOL[x.dtype]
     else:  # an embedding lookup returns the dequantized rows, and (a tied LM head) the kernels use the Q8_0 scales
         ids = torch.tensor([0, 5, 49151])
         assert torch.equal(qw.rows(ids, torch.float32), torch.from_numpy(ref[ids.numpy()]))
@@ -339,8 +334,7 @@ def test_gguf_blocks_map_directly(kind):
         assert torch.equal(qw.rows(ids, torch.float32), torch.from_numpy(ref[ids.numpy()]))
         for m in (2, INT8_PACKED_MAX_M + 1):  # the GEMV, then the tiled GEMM
             x = torch.randn(m, shape[1])
-            tol = GEMV_TOL if m <= INT8_PACKED_MAX_M else TOL[torch.float32]
-            assert _rel(lin(x), x @ torch.from_numpy(ref).t()) < tol * 2, m
+            assert _rel(lin(x), quant_reference(lin, x, torch.from_numpy(ref))) < TOL[x.dtype] * 2, m
     # Q4 blocks do not fit per-row int8: requantized
     assert not getattr(quantize_tensor(blocks, QuantSpec("int8"), 32), "from_blocks", False) or kind == "Q8_0"
 
