@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import quant_reference, record_comparison, run_to_completion
+from conftest import quant_reference, quant_tolerance, record_comparison, run_to_completion
 
 from pagedserve.benchmarks.gguf_quants import SHAPES, llama_cpp_type, random_blocks, write_gguf
 from pagedserve.engine import LLMEngine, SamplingParams, cpu_kernels, make_config
@@ -86,7 +86,7 @@ def test_kernels_compute_with_the_files_values(tmp_path, kinds):
             x = torch.randn(m, ref.shape[1]).to(dtype)
             want = quant_reference(lin, x, ref)
             rel = ((lin(x).float() - want).norm() / want.norm()).item()
-            assert rel < (2e-2 if dtype == torch.bfloat16 else 1e-5), (dtype, m, rel)
+            assert rel < quant_tolerance(lin, x, 2e-2 if dtype == torch.bfloat16 else 1e-5), (dtype, m, rel)
 
 
 def test_llama_cpp_type_mix():
