@@ -37,9 +37,8 @@ class DraftModelProposer(Proposer):
                  device: torch.device) -> None:
         # without a draft model: the target itself (another dtype or quantization, the chapter's self-draft); the
         # target's --revision and --gguf-file name the target's files, not the draft's
-        files = resolve_model(config.draft_model) if config.draft_model else \
-            resolve_model(config.model, config.revision, config.gguf_file)
-        path = files.path
+        path = (resolve_model(config.draft_model) if config.draft_model
+                else resolve_model(config.model, config.revision, config.gguf_file)).path
         cfg = load_config(path)
         if cfg.vocab_size != target_vocab:
             raise ValueError(f"draft model {path} has a vocabulary of {cfg.vocab_size} tokens, the target "
