@@ -15,14 +15,20 @@ from pagedserve.engine.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.usefixtures("cpp_kernels")
 CPU = torch.device("cpu")
-# fp32: accumulation order only; bf16: the fused ops round where the PyTorch path rounds, so at most one
-# bf16 step (2^-8 relative) apart
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     assert a.dtype == b.dtype == dtype and a.shape == b.shape
-    assert torch.allclose(a.float(), b.float(), rtol=TOL[dtype], atol=TOL[dtype] * b.float().abs().max().item())
+    if dtype == torch.float32:  # accumulation order only
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+        return
+    # bf16: the fused ops round where the PyTorch path rounds, from fp32 values that differ only in accumulation
+    # order, so an output may sit one bf16 step away where that order tips a rounding: rarely. A real slip (a sum
+    # that skips an element, a 1 % gain) moves 14-99 % of the outputs at these shapes.
+    a, b = a.float(), b.float()
+    step = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(2.0 ** -126))) - 7)  # bf16's spacing at b
+    assert ((a - b).abs() <= step).all()
+    assert (a != b).float().mean().item() <= 0.01
 
 
 def _use(cpp: bool, *layers) -> None:
