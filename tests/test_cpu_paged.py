@@ -19,7 +19,7 @@ from pagedserve.engine.attention import torch_paged as ref
 from pagedserve.engine.attention.base import AttentionMetadata
 from pagedserve.engine.layers.dispatch import KernelTable
 
-TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
+TOL = {torch.float32: 2e-5, torch.bfloat16: 5e-3}
 
 
 @pytest.fixture(scope="module")
