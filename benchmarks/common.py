@@ -219,7 +219,7 @@ def trees(baseline_refs: list[str]) -> dict[str, Path | None]:
 
 def serve(tree: Path | None, args: Sequence[str], log, bound_s: float = 900) -> tuple[subprocess.Popen, str]:
     """`pagedserve serve` from `tree` (None: this one) on a free loopback port, its output to the file `log`; returns
-    the process and its base URL once /health answers 200 (stop it with `stop`)."""
+    the process and its base URL once it is ready (stop it with `stop`)."""
     import httpx
 
     tree = tree or REPO
@@ -232,7 +232,10 @@ def serve(tree: Path | None, args: Sequence[str], log, bound_s: float = 900) -> 
         if proc.poll() is not None:
             raise RuntimeError(f"server from {tree} exited ({proc.returncode}):\n{_tail(log)}")
         try:
-            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+            r = httpx.get(url + "/ready", timeout=2, trust_env=False)
+            if r.status_code == 404:  # a tree from before /ready: its /health said the same
+                r = httpx.get(url + "/health", timeout=2, trust_env=False)
+            if r.status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             pass

@@ -6,7 +6,7 @@ streamed with a concurrency cap, greedy, `max_tokens` each. Contestants, on one 
     (power of two choices, prefix-blind).
 Figures: prefix-cache hit rate (sum of usage.prompt_tokens_details.cached_tokens over prompt tokens), TTFT p50
 (send -> first content chunk), output tok/s (sum of usage completion tokens / wall). Then the Ray path's
-overheads: start-up (deploy -> /health 200; direct: engine load -> /health 200) and TPOT of one stream
+overheads: start-up (deploy -> /ready 200; direct: engine load -> /ready 200) and TPOT of one stream
 through Ray vs the single server in this process, both with the same threads.
 
     python -m pagedserve.benchmarks.replicas --json out/replicas.json       # needs pagedserve[ray]
@@ -91,7 +91,7 @@ def wait_healthy(base: str, bound_s: float = 600) -> None:
     deadline = time.monotonic() + bound_s
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+            if httpx.get(f"{base}/ready", timeout=5).status_code == 200:
                 return
         time.sleep(0.2)
     raise TimeoutError(f"{base} not healthy within {bound_s} s")
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def direct(config, args) -> dict:
-    """The single server in this process (same threads): start-up to /health and one stream's TPOT."""
+    """The single server in this process (same threads): start-up to /ready and one stream's TPOT."""
     import torch
     import uvicorn
 

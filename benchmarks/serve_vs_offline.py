@@ -5,7 +5,7 @@ each row, in its own process with its tree's engine:
   offline         `LLM.generate` (benchmarks/offline_throughput.py's worker);
   HTTP            `python -m server.cli serve` (its defaults), loaded by `pagedserve bench` from this process;
   HTTP, max-step-ms=X   this tree's server for each X in --step-targets (0 = time budget off: the token budget only).
-Each HTTP row starts its server, waits for /health, runs the bench and stops the server; the CPU time of the
+Each HTTP row starts its server, waits for /ready, runs the bench and stops the server; the CPU time of the
 server's main thread (uvicorn's event loop: HTTP, SSE, metrics; the engine steps in its own thread) over the run is
 shown beside it. Client and server share this machine's cores. Rounds alternate every row; medians are reported.
 

@@ -1,5 +1,5 @@
 """Start-up: seconds from launching `pagedserve serve` to its engine built (the engine's "KV cache:" log line) and to
-/health answering 200 (after the warm-up), for the bundled model and for a GGUF carrying Llama 3's vocabulary
+/ready answering 200 (after the warm-up), for the bundled model and for a GGUF carrying Llama 3's vocabulary
 (128,256 tokens, 280,147 merges) over a one-layer network. That file is written here with gguf's writer (random
 weights; the bundled tokenizer drives it, so only reading its metadata depends on its vocabulary). This tree and
 each --baseline-ref commit start in turn, round after round; medians are reported.

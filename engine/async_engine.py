@@ -31,6 +31,13 @@ class EngineDeadError(RuntimeError):
     public_message: str | None = None  # what a client may read (None: the server's generic line, no details)
 
 
+class ShuttingDownError(EngineDeadError):
+    """The server stopped (SIGTERM, Ctrl-C, a drained replica) before this request finished."""
+
+    code = "server_shutting_down"
+    public_message = "the server is shutting down; the request was not completed (retry it)"
+
+
 class OverloadedError(RuntimeError):
     def __init__(self, message: str, retry_after: float, reason: str = "queue_full") -> None:
         super().__init__(message)
@@ -71,6 +78,7 @@ class _Stream:
     started: bool = False  # first output seen
     submitted: float = field(default_factory=time.monotonic)
     first: asyncio.Event = field(default_factory=asyncio.Event)  # set by the first output (or the engine's death)
+    error: BaseException | None = None  # what ended the request before its first output
 
 
 class AdmissionRules(ABC):
@@ -91,6 +99,16 @@ class AdmissionRules(ABC):
         if wait is None:
             return float(min(60, max(1, self.num_waiting // 8 + 1)))
         return float(min(60, max(1, math.ceil(wait))))
+
+    @property
+    @abstractmethod
+    def in_flight(self) -> int:
+        """Admitted requests that have not ended yet: reserved, waiting or running."""
+
+    @abstractmethod
+    def fail_all(self, error: BaseException) -> None:
+        """End every request in flight with `error`: one not started yet raises it from `wait_started`, a running
+        one from its stream (a server's stream then sends it as an error event). Their engine work is aborted."""
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The engine's checks, plus the admission bounds a request could never pass (400, not 429)."""
@@ -166,7 +184,7 @@ class AsyncEngine(AdmissionRules):
         except BaseException as e:  # noqa: BLE001 - the loop must report any death
             logger.exception("engine loop died")
             self.error = e
-            self._loop.call_soon_threadsafe(self._fail_all, e)
+            self._loop.call_soon_threadsafe(self._died, e)
 
     # ---- event-loop side ---------------------------------------------------------------------------
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -187,11 +205,21 @@ class AsyncEngine(AdmissionRules):
         if self.on_outputs is not None:
             self.on_outputs(outputs)
 
-    def _fail_all(self, error: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.queue.put_nowait(EngineDeadError(f"engine loop died: {error!r}"))
-            stream.first.set()
+    def _died(self, error: BaseException) -> None:
+        self.fail_all(EngineDeadError(f"engine loop died: {error!r}"))
         self._deliver_snapshot(EngineDeadError(f"engine loop died: {error!r}"))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams) + self._reserved
+
+    def fail_all(self, error: BaseException) -> None:
+        """On the event loop. Each stream that takes its error closes itself, which aborts it in the engine."""
+        for stream in self._streams.values():
+            if not stream.started:
+                stream.error = error
+            stream.queue.put_nowait(error)
+            stream.first.set()
 
     def _deliver_snapshot(self, snapshot: EngineSnapshot | BaseException) -> None:
         waiters, self._snapshot_waiters = self._snapshot_waiters, []
@@ -327,7 +355,11 @@ class RequestStream:
         return self._stream.first.is_set()
 
     async def wait_started(self) -> None:
+        """Until the first output; raises what ended the request before one (the engine's death, a shutdown)."""
         await self._stream.first.wait()
+        if self._stream.error is not None:
+            self.close()
+            raise self._stream.error
 
     def close(self) -> None:
         self.owner._close(self.request_id, self._stream, self.finished)

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.engine.async_engine import AsyncEngine, EngineDeadError
+from pagedserve.engine.async_engine import AdmissionRules, AsyncEngine, EngineDeadError, ShuttingDownError
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.connections import protocol_class
@@ -54,8 +54,10 @@ ERRORS = {
     408: "The request body did not arrive within --body-timeout-s",
     413: "The request body is larger than --max-body-bytes",
     429: "Overloaded: retry after Retry-After seconds (also in retry-after-ms)",
-    503: "The model is loading (Retry-After), or the engine died",
+    503: "The model is loading or the server is shutting down (both with Retry-After), or the engine died",
 }
+DRAIN_POLL_S = 0.05  # how often a drain looks whether the requests in flight have ended
+FAIL_GRACE_S = 5.0  # after a drain's timeout: how long the ended requests get to send their error answers
 STATE_TIMEOUT_S = 10.0  # /v1/engine/state waits at most this long for the engine's next step boundary
 # The page (server/web/): its own files only. No inline script or style, so markup that model output might smuggle
 # into the DOM could not run even if the renderer let it through.
@@ -98,8 +100,9 @@ class ServerState:
     """What the routes need; `engine` is set once the model has loaded (`app.state.pagedserve`)."""
 
     def __init__(self, config: ServerConfig) -> None:
-        self.engine: AsyncEngine | None = None
+        self.engine: AdmissionRules | None = None  # an AsyncEngine, or a Fleet of replicas on Ray
         self.load_error: BaseException | None = None
+        self.draining = False  # set by `drain`: no new requests, /ready says 503
         self.on_load_error: Callable[[], None] | None = None  # `pagedserve serve` stops the server
         self.metrics = Metrics(config.served_model_name, self.stats)
         self.live = LiveWindow()  # the live view's recent latencies and token rate
@@ -113,6 +116,37 @@ class ServerState:
         if self.engine is None or not self.engine.alive:  # a dead engine's gauges would be stale
             return None
         return self.engine.stats()
+
+    def check_alive(self) -> None:
+        """Liveness: raises once the process can no longer serve (the load failed, the engine loop died)."""
+        if self.load_error is not None or (self.engine is not None and not self.engine.alive):
+            self.ready_engine()
+
+    def admitting_engine(self) -> AsyncEngine:
+        """The engine, for a new request: refused while draining."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable", code="server_shutting_down",
+                           headers={"Retry-After": "1"})
+        return self.ready_engine()
+
+    async def drain(self, timeout_s: float) -> None:
+        """A graceful stop: admit nothing new, let what runs finish for up to `timeout_s`, then end the rest with
+        an error (a stream's error event and [DONE], a 503 otherwise) and wait for those answers to go out."""
+        self.draining = True
+        engine = self.engine
+        if engine is None or not engine.alive:
+            return
+        loop = asyncio.get_running_loop()
+        logger.info("draining: %d requests in flight, %g s to finish", engine.in_flight, timeout_s)
+        deadline = loop.time() + timeout_s
+        while engine.in_flight and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if engine.in_flight:
+            logger.warning("draining: ending %d requests still in flight after %g s", engine.in_flight, timeout_s)
+            engine.fail_all(ShuttingDownError())
+            deadline = loop.time() + FAIL_GRACE_S
+            while engine.in_flight and loop.time() < deadline:
+                await asyncio.sleep(DRAIN_POLL_S)
 
     def ready_engine(self) -> AsyncEngine:
         if self.engine is None:
@@ -134,11 +168,11 @@ def start_local(engine: LLMEngine, config: ServerConfig, on_outputs: Callable, l
 
 
 def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: Callable = start_local) -> FastAPI:
-    """`engine_factory` runs in a background thread at start-up; /health answers 503 until it returns. `start`
+    """`engine_factory` runs in a background thread at start-up; /ready answers 503 until it returns. `start`
     turns what it built into what the pipeline drives: an AsyncEngine here, a Fleet of replicas on Ray
     (server/ray_app.py), called as start(built, config, on_outputs, loop)."""
     state = ServerState(config)
-    serving = Serving(state.ready_engine, config.served_model_name, config.prefix_cache_per_key,
+    serving = Serving(state.admitting_engine, config.served_model_name, config.prefix_cache_per_key,
                       config.disconnect_poll_s)
 
     @asynccontextmanager
@@ -149,7 +183,7 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
             try:
                 engine = engine_factory()
                 state.engine = start(engine, config, state.observe, loop)  # an AsyncEngine warms up first
-            except BaseException as e:  # noqa: BLE001 - reported through /health
+            except BaseException as e:  # noqa: BLE001 - reported through /health and /ready
                 logger.exception("model failed to load")
                 state.load_error = e
                 if state.on_load_error is not None:
@@ -167,8 +201,9 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
     app = FastAPIOffline(title="pagedserve", version="0.1.0", lifespan=lifespan, redoc_url=None,
                          static_url="/docs/assets",
                          description="An OpenAI-compatible LLM server: /v1/chat/completions, "
-                         "/v1/completions, /v1/models; /health, /metrics; /v1/engine/state (the live view's data); "
-                         "a chat page and a live view of the engine at / and /dashboard.")
+                         "/v1/completions, /v1/models; /health (liveness), /ready (readiness), /metrics; "
+                         "/v1/engine/state (the live view's data); a chat page and a live view of the "
+                         "engine at / and /dashboard.")
     app.openapi = functools.cache(functools.partial(openapi_document, app))
     app.state.pagedserve = state
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
@@ -209,8 +244,16 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
     # ---- routes ------------------------------------------------------------------------------------------
     @app.get("/health", response_model=Health, responses=_errors(503))
     async def health():
-        """200 once the model is loaded and the engine loop runs; never behind the API key."""
-        state.ready_engine()
+        """Liveness: 200 while the process can serve, loading and draining included; 503 once the model failed to
+        load or the engine loop died (restart it). Never behind the API key."""
+        state.check_alive()
+        return Health()
+
+    @app.get("/ready", response_model=Health, responses=_errors(503))
+    async def ready():
+        """Readiness: 200 once the model is loaded and the engine loop runs, until the server starts draining
+        (SIGTERM); 503 otherwise, so a load balancer sends requests elsewhere. Never behind the API key."""
+        state.admitting_engine()
         return Health()
 
     @app.get("/v1/models", response_model=ModelList, responses=_errors(401, 503))

@@ -59,13 +59,12 @@ def _engine_config(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from pagedserve.engine.async_engine import AdmissionLimits
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.server.app import create_app, uvicorn_config
     from pagedserve.server.config import ReplicaConfig, ServerConfig
     from pagedserve.server.connections import is_loopback
+    from pagedserve.server.shutdown import GracefulServer
 
     config = _engine_config(args)
     if config.node_rank > 0:
@@ -94,9 +93,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     _raise_open_files_limit()  # the connection cap, not the file limit, should decide who is refused
     print(f"pagedserve: serving {server.served_model_name!r} on http://{server.host}:{server.port}/v1 "
           f"({'API key required' if server.api_keys() else 'no auth'}; loading the model...)", flush=True)
-    uv = uvicorn.Server(uvicorn_config(app, server))
+    uv = GracefulServer(uvicorn_config(app, server), app, server.shutdown_timeout_s)
     app.state.pagedserve.on_load_error = lambda: setattr(uv, "should_exit", True)
-    uv.run()
+    try:
+        uv.run()
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, as asked; no traceback
+        sys.exit(130)
     if app.state.pagedserve.load_error is not None:  # never a server that answers 503 for ever
         e = app.state.pagedserve.load_error
         _fail(f"the model failed to load: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

@@ -32,6 +32,9 @@ class ServerConfig:
     max_connections: int | None = opt(1024, "open connections at most: idle ones are closed to make room for new "
                                             "ones; past it with every connection busy, a new one gets 503",
                                     bound=">= 1")
+    shutdown_timeout_s: float = opt(20.0, "on SIGTERM or Ctrl-C: how long requests in flight may run on while no new "
+                                          "ones are admitted; those still running then end with an error event "
+                                          "(streams) or a 503 (a second signal stops at once)", bound=">= 0")
     disconnect_poll_s: float = 0.1
 
     def __post_init__(self) -> None:

@@ -91,6 +91,7 @@ class Fleet(AdmissionRules):
         self.secret = os.urandom(32)  # the router's chain is keyed per ingress: nobody can precompute it
         self._reserved = 0
         self._closed = False
+        self._live: set[FleetStream] = set()  # submitted, not yet closed
 
     # ---- what the pipeline and the app read ------------------------------------------------------------
     @property
@@ -107,6 +108,15 @@ class Fleet(AdmissionRules):
     @property
     def num_waiting(self) -> int:
         return sum(x.num_waiting for x in self.loads()) + self._reserved
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._live) + self._reserved
+
+    def fail_all(self, error: BaseException) -> None:
+        """Each request's remote call is cancelled, which aborts it in its replica's engine."""
+        for stream in list(self._live):
+            stream.fail(error)
 
     def expected_wait(self) -> float | None:
         """Seconds until one more request would start anywhere: everything waiting in the fleet over the sum of
@@ -134,7 +144,9 @@ class Fleet(AdmissionRules):
         """`owner` (the engine view's per-key ids) is the single server's: the fleet serves no engine view."""
         self._reserved -= 1
         key = RoutingKey(block_chain(prompt_token_ids, self.block_size, self.secret, params.cache_salt))
-        return FleetStream(self, request_id, prompt_token_ids, params, key)
+        stream = FleetStream(self, request_id, prompt_token_ids, params, key)
+        self._live.add(stream)
+        return stream
 
     def shutdown(self) -> None:
         self._closed = True
@@ -216,6 +228,7 @@ class FleetStream:
             raise item
         if item.finished:
             self.finished = True
+            self.fleet._live.discard(self)
         return item
 
     async def wait_started(self) -> None:
@@ -224,6 +237,15 @@ class FleetStream:
         if self._error is not None:
             raise self._error
 
+    def fail(self, error: BaseException) -> None:
+        """End the request with `error` (see Fleet.fail_all)."""
+        self.close()
+        if not self._first.is_set():
+            self._error = error
+            self._first.set()
+        self._queue.put_nowait(error)
+
     def close(self) -> None:
+        self.fleet._live.discard(self)
         if not self._task.done():
             self._task.cancel()

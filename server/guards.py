@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedserve.server.protocol import error_body
 
 TENANT_KEY = "pagedserve.tenant"  # scope["state"][TENANT_KEY]: an id of the API key that authenticated
-PROTECTED = ("/v1/", "/metrics", "/docs", "/openapi.json")  # everything but /health needs a key, when keys are set
+PROTECTED = ("/v1/", "/metrics", "/docs", "/openapi.json")  # /health, /ready and the page stay open
 
 
 async def send_error(send: Send, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]]) -> None:

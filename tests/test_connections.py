@@ -98,7 +98,7 @@ def test_a_full_server_refuses_in_json_and_recovers(make_engine):
             s.close()  # the streams are aborted; the connections go away
         for _ in range(100):
             try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                if httpx.get(f"{base}/ready", timeout=5).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

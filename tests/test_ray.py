@@ -63,11 +63,11 @@ def cluster(smollm):
 
         def healthy() -> bool:
             try:
-                return httpx.get(f"{base}/health", timeout=5).status_code == 200
+                return httpx.get(f"{base}/ready", timeout=5).status_code == 200
             except httpx.HTTPError:
                 return False
 
-        wait_for(healthy, "the ingress answers /health")
+        wait_for(healthy, "the ingress answers /ready")
         yield base
     finally:
         serve.shutdown()

@@ -119,7 +119,7 @@ def test_serve_by_repo_id_offline_through_the_openai_client(tmp_path, tiny_hf_di
     try:
         for _ in range(600):
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 assert server.poll() is None, server.stdout.read()

@@ -44,7 +44,7 @@ def running_server(engine, limits: AdmissionLimits | None = None, **server_optio
     deadline = time.monotonic() + 30
     while True:
         try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
                 break
         except httpx.HTTPError:
             pass
@@ -426,7 +426,9 @@ def test_a_failed_warm_up_is_a_failed_load(make_engine):
         thread.join(timeout=10)
 
 
-def test_health_503_while_loading_and_after_engine_death(make_engine):
+def test_ready_503_while_loading_health_503_after_engine_death(make_engine):
+    """Liveness and readiness apart: while the model loads, /health is 200 (the process is fine: a probe must not
+    restart it) and /ready 503; once the engine loop dies, both are 503."""
     gate = threading.Event()
     engine = make_engine(num_blocks=64, max_step_ms=0)  # no step-cost warm-up: healthy as soon as the gate opens
 
@@ -443,15 +445,17 @@ def test_health_503_while_loading_and_after_engine_death(make_engine):
     try:
         for _ in range(200):
             with contextlib.suppress(httpx.HTTPError):
-                r = httpx.get(f"{base}/health", timeout=1)
+                r = httpx.get(f"{base}/ready", timeout=1)
                 break
             time.sleep(0.05)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_loading"
+        assert r.headers["Retry-After"] == "5"
+        assert httpx.get(f"{base}/health").status_code == 200
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 503
         gate.set()
         deadline = time.monotonic() + 120
-        while httpx.get(f"{base}/health").status_code != 200:
+        while httpx.get(f"{base}/ready").status_code != 200:
             assert time.monotonic() < deadline, "never healthy after the load"
             time.sleep(0.05)
         # a crash inside the model kills the loop: a stream in flight gets an error event then [DONE];
@@ -482,6 +486,7 @@ def test_health_503_while_loading_and_after_engine_death(make_engine):
         # the gauges of a dead engine are not reported as if it were still running
         assert "vllm:num_requests_running" not in httpx.get(f"{base}/metrics").text
         assert httpx.get(f"{base}/health").status_code == 503
+        assert httpx.get(f"{base}/ready").status_code == 503
         assert not state.engine.alive
         engine.runner.run = original
     finally:
