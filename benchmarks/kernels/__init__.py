@@ -1,0 +1,1 @@
+"""Kernel benchmarks: each script runs on its own (see README.md here)."""
