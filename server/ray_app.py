@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 ENGINE = "PagedServeEngine"  # the engine deployment's name (the router registry's key)
 DESCRIBE_TIMEOUT_S = 600.0  # the ingress waits this long for a replica to load its model
+INGRESS_DRAIN_GRACE_S = 5.0  # the ingress's drain outlasts the replicas' by this much
 
 
 @dataclass(frozen=True)
@@ -147,15 +149,21 @@ def build_app(engine_config: EngineConfig, server: ServerConfig, replicas: Repli
     # Ray's own per-replica cap must not bind before ours does: our admission answers with a 429 and a
     # Retry-After, Ray's would queue silently in the router
     ongoing = (limits.max_waiting_requests or 4096) + engine_config.scheduler.max_num_seqs + 16
+    # A replica that Ray stops (scaled down, redeployed, its node drained) is first taken out of routing, then
+    # lets its requests in flight run for up to --shutdown-timeout-s before it is killed; a stream still running
+    # then ends with an error event (replica_died) and [DONE], and one not yet started is retried elsewhere
+    # (server/fleet.py). The ingress outlives its replicas' drain by a little, to pass those last events on.
+    drain = {"graceful_shutdown_timeout_s": server.shutdown_timeout_s, "graceful_shutdown_wait_loop_s": 0.5}
     engine = serve.deployment(EngineReplica, name=ENGINE).options(
-        num_replicas=n, max_ongoing_requests=ongoing, ray_actor_options={"num_cpus": threads},
+        **drain, num_replicas=n, max_ongoing_requests=ongoing, ray_actor_options={"num_cpus": threads},
         health_check_period_s=replicas.health_check_period_s, health_check_timeout_s=30,
         request_router_config=RequestRouterConfig(
             request_router_class=router, request_router_kwargs=replicas.router_kwargs if router is
             PrefixCacheRouter else {}, request_routing_stats_period_s=replicas.routing_stats_period_s,
             request_routing_stats_timeout_s=max(1.0, replicas.routing_stats_period_s)))
     ingress = serve.deployment(serve.ingress()(Ingress), name="PagedServeIngress").options(
-        num_replicas=1, max_ongoing_requests=max(ongoing * n, 1024),
+        num_replicas=1, max_ongoing_requests=max(ongoing * n, 1024), graceful_shutdown_wait_loop_s=0.5,
+        graceful_shutdown_timeout_s=server.shutdown_timeout_s + INGRESS_DRAIN_GRACE_S,
         ray_actor_options={"num_cpus": replicas.ingress_cpus})
     return ingress.bind(engine.bind(engine_config, limits, threads), server)
 
@@ -177,8 +185,10 @@ def app_builder(args: dict):
 
 
 def run(engine_config: EngineConfig, server: ServerConfig, replicas: ReplicaConfig) -> None:
-    """`pagedserve serve --replicas N`: join or start a cluster, deploy, serve until Ctrl-C, tear down."""
+    """`pagedserve serve --replicas N`: join or start a cluster, deploy, serve until Ctrl-C or SIGTERM, then tear
+    down, each deployment draining as above."""
     ray.init(address=replicas.ray_address, include_dashboard=False, log_to_driver=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM tears down as Ctrl-C does
     try:
         serve.start(http_options={"host": server.host, "port": server.port})
         serve.run(build_app(engine_config, server, replicas), name="pagedserve", route_prefix="/",
