@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from pagedserve.engine.async_engine import AdmissionLimits, AdmissionRules, EngineDeadError, OverloadedError
+from pagedserve.engine.async_engine import AdmissionLimits, AdmissionRules, EngineDeadError, OverloadedError, unused_id
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.llm_engine import EngineStats
 from pagedserve.engine.output_processor import RequestOutput
@@ -91,6 +91,7 @@ class Fleet(AdmissionRules):
         self.secret = os.urandom(32)  # the router's chain is keyed per ingress: nobody can precompute it
         self._reserved = 0
         self._closed = False
+        self._live: set[str] = set()  # ids of requests whose remote call has not ended
 
     # ---- what the pipeline and the app read ------------------------------------------------------------
     @property
@@ -131,10 +132,16 @@ class Fleet(AdmissionRules):
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                owner: str | None = None) -> FleetStream:
-        """`owner` (the engine view's per-key ids) is the single server's: the fleet serves no engine view."""
+        """`owner` (the engine view's per-key ids) is the single server's: the fleet serves no engine view. The
+        replica runs the request under the id given here (suffixed while another live request has it, as an
+        AsyncEngine does), so the ingress's log and the replica's name one request alike."""
         self._reserved -= 1
         key = RoutingKey(block_chain(prompt_token_ids, self.block_size, self.secret, params.cache_salt))
-        return FleetStream(self, request_id, prompt_token_ids, params, key)
+        request_id = unused_id(request_id, self._live.__contains__)
+        self._live.add(request_id)
+        stream = FleetStream(self, request_id, prompt_token_ids, params, key)
+        stream._task.add_done_callback(lambda _: self._live.discard(request_id))
+        return stream
 
     def shutdown(self) -> None:
         self._closed = True
