@@ -41,6 +41,7 @@ from pagedserve.server.protocol import (
     now,
 )
 from pagedserve.server.serving import APIError, ChatEndpoint, CompletionEndpoint, Serving, engine_dead, tenant
+from pagedserve.server.tracing import HEADER, RequestIds, request_record
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,9 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
     app.openapi = functools.cache(functools.partial(openapi_document, app))
     app.state.pagedserve = state
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
-    app.add_middleware(ApiKeyAuth, keys=config.api_keys())  # outermost: no body is read for a bad key
+    app.add_middleware(ApiKeyAuth, keys=config.api_keys())  # before the body guard: no body is read for a bad key
+    # outermost: every answer carries the request's id, a 401 or 413 too
+    app.add_middleware(RequestIds, model=config.served_model_name)
 
     # ---- errors: always the OpenAI shape -----------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -204,7 +207,9 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         logger.exception("unhandled error")  # the details go to the log, never to the client
-        return JSONResponse(error_body("internal server error", "internal_server_error", code="internal_error"), 500)
+        # answered by Starlette's outermost layer, outside RequestIds: the id is added here
+        return JSONResponse(error_body("internal server error", "internal_server_error", code="internal_error"), 500,
+                            headers={HEADER: request_record(request).request_id})
 
     # ---- routes ------------------------------------------------------------------------------------------
     @app.get("/health", response_model=Health, responses=_errors(503))
