@@ -9,7 +9,7 @@ import logging
 import threading
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -41,7 +41,10 @@ from pagedserve.server.protocol import (
     now,
 )
 from pagedserve.server.serving import APIError, ChatEndpoint, CompletionEndpoint, Serving, engine_dead, tenant
-from pagedserve.server.tracing import HEADER, RequestIds, request_record
+from pagedserve.server.tracing import HEADER, RequestIds, request_record, tracing_from
+
+if TYPE_CHECKING:
+    from pagedserve.server.otel import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +137,14 @@ def start_local(engine: LLMEngine, config: ServerConfig, on_outputs: Callable, l
     return aeng
 
 
-def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: Callable = start_local) -> FastAPI:
+def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: Callable = start_local,
+               tracing: Tracing | None = None) -> FastAPI:
     """`engine_factory` runs in a background thread at start-up; /health answers 503 until it returns. `start`
     turns what it built into what the pipeline drives: an AsyncEngine here, a Fleet of replicas on Ray
-    (server/ray_app.py), called as start(built, config, on_outputs, loop)."""
+    (server/ray_app.py), called as start(built, config, on_outputs, loop). `tracing`: where request spans go
+    (server/otel.py's Tracing; default: --otlp-traces-endpoint's collector, if set)."""
     state = ServerState(config)
+    tracing = tracing or tracing_from(config.otlp_traces_endpoint)
     serving = Serving(state.ready_engine, config.served_model_name, config.prefix_cache_per_key,
                       config.disconnect_poll_s)
 
@@ -162,6 +168,8 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
         yield
         if state.engine is not None:
             state.engine.shutdown()
+        if tracing is not None:
+            tracing.shutdown()  # sends the spans still batched
 
     # FastAPIOffline serves /docs from the package's own Swagger UI files (no CDN), like every route behind the API key
     # when there is one; /openapi.json is FastAPI's route over our document
@@ -175,7 +183,7 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
     app.add_middleware(ApiKeyAuth, keys=config.api_keys())  # before the body guard: no body is read for a bad key
     # outermost: every answer carries the request's id, a 401 or 413 too
-    app.add_middleware(RequestIds, model=config.served_model_name)
+    app.add_middleware(RequestIds, model=config.served_model_name, tracing=tracing)
 
     # ---- errors: always the OpenAI shape -----------------------------------------------------------------
     @app.exception_handler(APIError)

@@ -1,10 +1,12 @@
-"""Request ids, and the line each generation request logs when it ends.
+"""Request ids, the line each generation request logs when it ends, and its trace span (`--otlp-traces-endpoint`).
 
 The `X-Request-Id` a client or its load balancer sends names the request: in the log line, in /v1/engine/state
 (its engine requests are `<id>-<i>`, one per choice) and in the response's own `X-Request-Id`, which every answer
 carries (errors, 401s and streams included). A request without one, or with one that is not a safe id (at most
 `MAX_ID_CHARS` of `A-Z a-z 0-9 . _ : -`: it goes into logs and JSON), gets a fresh `req-<hex>`, and a bad one is
 logged: a trace header is never worth refusing a request for (nginx and vLLM do the same).
+
+OpenTelemetry is imported by server/otel.py alone, and that only when tracing is on (`tracing_from`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -21,14 +24,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedserve.engine.output_processor import RequestMetrics
 from pagedserve.server.protocol import Usage, new_id
 
+if TYPE_CHECKING:
+    from pagedserve.server.otel import Tracing
+
 logger = logging.getLogger(__name__)
 
 HEADER = "X-Request-Id"
 REQUEST_KEY = "pagedserve.request"  # scope["state"][REQUEST_KEY]: the request's RequestRecord
 MAX_ID_CHARS = 128
 _SAFE_ID = re.compile(rb"[A-Za-z0-9._:-]{1,%d}" % MAX_ID_CHARS)
-# the routes that generate, with their GenAI operation names: each logs a line when it ends
+# the routes that generate, with their GenAI operation names: each logs a line when it ends, and has a span
 GENERATION = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+TRACE_HEADERS = (b"traceparent", b"tracestate")  # W3C trace context: the caller's trace, if any
 
 
 def safe_id(value: bytes | None) -> str | None:
@@ -107,11 +114,12 @@ def request_record(conn: HTTPConnection) -> RequestRecord:
 class RequestIds:
     """The outermost layer (outside the API key and body guards, so their refusals carry the id too): names each
     HTTP request, echoes the name in every response's header, and for the generation routes logs a line when the
-    response has been sent (a stream's last event included)."""
+    response has been sent (a stream's last event included) and, with `tracing`, ends its span."""
 
-    def __init__(self, app: ASGIApp, model: str | None = None) -> None:
+    def __init__(self, app: ASGIApp, model: str | None = None, tracing: Tracing | None = None) -> None:
         self.app = app
         self.model = model
+        self.tracing = tracing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -127,6 +135,10 @@ class RequestIds:
         record = RequestRecord(rid, scope.get("method", ""), scope.get("path", ""), self.model)
         scope.setdefault("state", {})[REQUEST_KEY] = record
         operation = GENERATION.get(record.path) if record.method == "POST" else None
+        span = None
+        if operation is not None and self.tracing is not None:
+            span = self.tracing.start(record, operation, {k.lower(): v for k, v in headers if k.lower()
+                                                          in TRACE_HEADERS})
         echo = (HEADER.lower().encode(), rid.encode())
 
         async def send_with_id(message: Message) -> None:
@@ -145,4 +157,23 @@ class RequestIds:
             if operation is not None:
                 end_ns = time.time_ns()
                 logger.info("%s", record.log_line(end_ns))
+                if span is not None:
+                    try:
+                        self.tracing.end(span, record, end_ns)
+                    except Exception:  # noqa: BLE001 - a trace is never worth an error once the answer has gone
+                        logger.exception("request %s: its span could not be recorded", record.request_id)
 
+
+def traces_url(endpoint: str) -> str:
+    """An OTLP/HTTP collector's address as given, or with the traces path (`/v1/traces`) when it has none, as
+    OTEL_EXPORTER_OTLP_ENDPOINT is read: `http://collector:4318` and `http://collector:4318/v1/traces` both work."""
+    return endpoint if urlsplit(endpoint).path not in ("", "/") else endpoint.rstrip("/") + "/v1/traces"
+
+
+def tracing_from(endpoint: str | None) -> Tracing | None:
+    """Spans to the OTLP/HTTP collector at `endpoint`; None (and no OpenTelemetry import) without one."""
+    if endpoint is None:
+        return None
+    from pagedserve.server.otel import Tracing
+
+    return Tracing(traces_url(endpoint))
