@@ -70,6 +70,18 @@ RATE_WINDOW = 64
 TRIM_EVERY_S = 20.0
 
 
+def unused_id(request_id: str, in_use: Callable[[str], bool]) -> str:
+    """`request_id`, or `request_id#2`, `#3`, ... while that is in use: the same X-Request-Id twice at once, or a
+    client's retry before its first attempt's abort has reached the engine, must not clash there (the engine refuses
+    an id it holds). '#' is outside the ids a client may send (server/tracing.py), so no client can name a suffixed id.
+    """
+    rid, k = request_id, 1
+    while in_use(rid):
+        k += 1
+        rid = f"{request_id}#{k}"
+    return rid
+
+
 @dataclass(slots=True, eq=False)
 class _Stream:
     num_prompt_tokens: int
@@ -295,10 +307,16 @@ class AsyncEngine(AdmissionRules):
         """Give back a reservation that did not turn into a request (bad input, etc.)."""
         self._reserved -= 1
 
+    def in_use(self, request_id: str) -> bool:
+        """Whether a stream or the engine still holds `request_id` (the engine forgets an aborted one only at its
+        next step; a stream outlives its request until the consumer closes it)."""
+        return request_id in self._streams or self.engine.has_request(request_id)
+
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                owner: str | None = None) -> RequestStream:
         """Hand a reserved, validated request to the engine. The caller must `close()` the stream. `owner` names
-        who sent it (a server's tenant), for `owner()`.
+        who sent it (a server's tenant), for `owner()`. The request runs as `request_id`, or with a suffix while
+        that is still in use (`unused_id`); the stream's `request_id` says which.
 
         Raises InvalidRequestError for bad input and OverloadedError past the queued-token limit; either
         way the reservation is consumed.
@@ -309,6 +327,9 @@ class AsyncEngine(AdmissionRules):
         if limit is not None and self._queued_tokens > 0 and self._queued_tokens + n > limit:
             raise OverloadedError(f"server overloaded: {self._queued_tokens} prompt tokens queued "
                                   f"(limit {limit})", self.retry_after())
+        if (rid := unused_id(request_id, self.in_use)) != request_id:
+            logger.info("request id %s is still in use in the engine; running it as %s", request_id, rid)
+            request_id = rid
         self.engine.add_request(request_id, prompt_token_ids, params)
         stream = _Stream(n, owner)
         self._streams[request_id] = stream

@@ -245,6 +245,11 @@ class LLMEngine:
             if request_id in self._requests:
                 self._aborts.append(request_id)
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether `request_id` names a request the engine still holds (an aborted one until its next step)."""
+        with self._lock:
+            return request_id in self._requests
+
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self._requests)

@@ -9,7 +9,7 @@ import logging
 import threading
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -41,6 +41,10 @@ from pagedserve.server.protocol import (
     now,
 )
 from pagedserve.server.serving import APIError, ChatEndpoint, CompletionEndpoint, Serving, engine_dead, tenant
+from pagedserve.server.tracing import HEADER, RequestIds, request_record, tracing_from
+
+if TYPE_CHECKING:
+    from pagedserve.server.otel import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -167,11 +171,14 @@ def start_local(engine: LLMEngine, config: ServerConfig, on_outputs: Callable, l
     return aeng
 
 
-def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: Callable = start_local) -> FastAPI:
+def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: Callable = start_local,
+               tracing: Tracing | None = None) -> FastAPI:
     """`engine_factory` runs in a background thread at start-up; /ready answers 503 until it returns. `start`
     turns what it built into what the pipeline drives: an AsyncEngine here, a Fleet of replicas on Ray
-    (server/ray_app.py), called as start(built, config, on_outputs, loop)."""
+    (server/ray_app.py), called as start(built, config, on_outputs, loop). `tracing`: where request spans go
+    (server/otel.py's Tracing; default: --otlp-traces-endpoint's collector, if set)."""
     state = ServerState(config)
+    tracing = tracing or tracing_from(config.otlp_traces_endpoint)
     serving = Serving(state.admitting_engine, config.served_model_name, config.prefix_cache_per_key,
                       config.disconnect_poll_s)
 
@@ -195,6 +202,8 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
         yield
         if state.engine is not None:
             state.engine.shutdown()
+        if tracing is not None:
+            tracing.shutdown()  # sends the spans still batched
 
     # FastAPIOffline serves /docs from the package's own Swagger UI files (no CDN), like every route behind the API key
     # when there is one; /openapi.json is FastAPI's route over our document
@@ -207,7 +216,9 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
     app.openapi = functools.cache(functools.partial(openapi_document, app))
     app.state.pagedserve = state
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
-    app.add_middleware(ApiKeyAuth, keys=config.api_keys())  # outermost: no body is read for a bad key
+    app.add_middleware(ApiKeyAuth, keys=config.api_keys())  # before the body guard: no body is read for a bad key
+    # outermost: every answer carries the request's id, a 401 or 413 too
+    app.add_middleware(RequestIds, model=config.served_model_name, tracing=tracing)
 
     # ---- errors: always the OpenAI shape -----------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -239,7 +250,9 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         logger.exception("unhandled error")  # the details go to the log, never to the client
-        return JSONResponse(error_body("internal server error", "internal_server_error", code="internal_error"), 500)
+        # answered by Starlette's outermost layer, outside RequestIds: the id is added here
+        return JSONResponse(error_body("internal server error", "internal_server_error", code="internal_error"), 500,
+                            headers={HEADER: request_record(request).request_id})
 
     # ---- routes ------------------------------------------------------------------------------------------
     @app.get("/health", response_model=Health, responses=_errors(503))

@@ -77,6 +77,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
         replicas = ReplicaConfig(**options(args, ReplicaConfig))
     except ValueError as e:
         _fail(str(e))
+    if server.otlp_traces_endpoint is not None:  # the extra, before the port is bound or the model resolved
+        try:
+            importlib.import_module("pagedserve.server.otel")
+        except ImportError as e:
+            _fail(f"--otlp-traces-endpoint needs OpenTelemetry: pip install 'pagedserve[otel]' ({e})")
     if not server.api_keys() and not is_loopback(server.host) and not server.allow_insecure_no_auth:
         _fail(f"refusing to serve on {server.host} without an API key: anyone who can reach it could use the model "
               "and read the metrics. Set --api-key (or PAGEDSERVE_API_KEY), or pass --allow-insecure-no-auth if the "

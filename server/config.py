@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from pagedserve.engine.async_engine import AdmissionLimits
 from pagedserve.engine.config import check_options, opt
@@ -35,6 +36,8 @@ class ServerConfig:
     shutdown_timeout_s: float = opt(20.0, "on SIGTERM or Ctrl-C: how long requests in flight may run on while no new "
                                           "ones are admitted; those still running then end with an error event "
                                           "(streams) or a 503 (a second signal stops at once)", bound=">= 0")
+    otlp_traces_endpoint: str | None = opt(None, "send an OpenTelemetry span per request (OTLP over HTTP) to this "
+                                                 "collector, e.g. http://127.0.0.1:4318 (needs pagedserve[otel])")
     disconnect_poll_s: float = 0.1
 
     def __post_init__(self) -> None:
@@ -42,6 +45,10 @@ class ServerConfig:
         for name in ("served_model_name", "host", "api_key"):
             if getattr(self, name) is not None and not getattr(self, name).strip(" ,"):
                 raise ValueError(f"{name} must not be empty")
+        endpoint = self.otlp_traces_endpoint
+        if endpoint is not None and (urlsplit(endpoint).scheme not in ("http", "https") or
+                                     not urlsplit(endpoint).hostname):
+            raise ValueError(f"otlp_traces_endpoint must be an http:// or https:// URL, got {endpoint!r}")
 
     def api_keys(self) -> tuple[str, ...]:
         return tuple(k.strip() for k in (self.api_key or "").split(",") if k.strip())

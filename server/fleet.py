@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from pagedserve.engine.async_engine import AdmissionLimits, AdmissionRules, EngineDeadError, OverloadedError
+from pagedserve.engine.async_engine import AdmissionLimits, AdmissionRules, EngineDeadError, OverloadedError, unused_id
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.llm_engine import EngineStats
 from pagedserve.engine.output_processor import RequestOutput
@@ -91,7 +91,7 @@ class Fleet(AdmissionRules):
         self.secret = os.urandom(32)  # the router's chain is keyed per ingress: nobody can precompute it
         self._reserved = 0
         self._closed = False
-        self._live: set[FleetStream] = set()  # submitted, not yet closed
+        self._live: dict[str, FleetStream] = {}  # by id: requests whose remote call has not ended
 
     # ---- what the pipeline and the app read ------------------------------------------------------------
     @property
@@ -115,7 +115,7 @@ class Fleet(AdmissionRules):
 
     def fail_all(self, error: BaseException) -> None:
         """Each request's remote call is cancelled, which aborts it in its replica's engine."""
-        for stream in list(self._live):
+        for stream in list(self._live.values()):
             stream.fail(error)
 
     def expected_wait(self) -> float | None:
@@ -141,11 +141,15 @@ class Fleet(AdmissionRules):
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                owner: str | None = None) -> FleetStream:
-        """`owner` (the engine view's per-key ids) is the single server's: the fleet serves no engine view."""
+        """`owner` (the engine view's per-key ids) is the single server's: the fleet serves no engine view. The
+        replica runs the request under the id given here (suffixed while another live request has it, as an
+        AsyncEngine does), so the ingress's log and the replica's name one request alike."""
         self._reserved -= 1
         key = RoutingKey(block_chain(prompt_token_ids, self.block_size, self.secret, params.cache_salt))
+        request_id = unused_id(request_id, self._live.__contains__)
         stream = FleetStream(self, request_id, prompt_token_ids, params, key)
-        self._live.add(stream)
+        self._live[request_id] = stream
+        stream._task.add_done_callback(lambda _: self._live.pop(request_id, None))
         return stream
 
     def shutdown(self) -> None:
@@ -228,7 +232,6 @@ class FleetStream:
             raise item
         if item.finished:
             self.finished = True
-            self.fleet._live.discard(self)
         return item
 
     async def wait_started(self) -> None:
@@ -246,6 +249,5 @@ class FleetStream:
         self._queue.put_nowait(error)
 
     def close(self) -> None:
-        self.fleet._live.discard(self)
         if not self._task.done():
             self._task.cancel()

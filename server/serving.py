@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from fastapi import Request
 
 from pagedserve.engine.async_engine import AsyncEngine, EngineDeadError, OverloadedError, RequestStream
 from pagedserve.engine.errors import InvalidRequestError
-from pagedserve.engine.output_processor import RequestOutput
+from pagedserve.engine.output_processor import RequestMetrics, RequestOutput
 from pagedserve.engine.sampler import TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server.guards import TENANT_KEY
@@ -50,6 +51,7 @@ from pagedserve.server.protocol import (
 )
 from pagedserve.server.structured import logit_bias, structured_spec
 from pagedserve.server.tools import ToolCallParser, parse_tool_calls, render_messages, resolve_tool_choice, tool_grammar
+from pagedserve.server.tracing import RequestRecord, request_record
 
 logger = logging.getLogger(__name__)
 ENGINE_DEAD = "the engine loop died (see the server log)"  # no exception text reaches a client
@@ -111,8 +113,14 @@ class Collected:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     drafts: tuple[int, int] = (0, 0)  # speculative decoding: (drafted, accepted)
+    metrics: RequestMetrics | None = None  # the engine's stamps, as of the last output
+    first_ns: int | None = None  # when the first and last outputs arrived here (time.time_ns(): a trace's anchor)
+    last_ns: int | None = None
 
     def add(self, out: RequestOutput) -> None:
+        self.last_ns = time.time_ns()
+        self.first_ns = self.first_ns or self.last_ns
+        self.metrics = out.metrics
         self.text += out.text
         self.tokens += out.new_token_ids
         self.logprobs += out.logprobs
@@ -204,16 +212,20 @@ class Serving:
         """The response model, or an async iterator of chunks (JSON strings, then "[DONE]") to stream. The engine's
         refusals become API errors here; once a stream has begun, `stream` reports them as events."""
         endpoint = endpoint_cls(body, self.model_name)
+        record = request_record(raw)  # the X-Request-Id names it; its log line and span report what it did
+        record.response_id = endpoint.id
         try:
             aeng = self.admit(body, endpoint.count(), "n" if body.n > 1 else endpoint.param)
             endpoint.tokenizer = aeng.engine.tokenizer
             built = await self.build(aeng, endpoint, self.cache_salt(body, raw))
-            streams = self.submit(aeng, built, tenant(raw))
+            streams = self.submit(aeng, built, tenant(raw), record.request_id)
             await self.wait_started(aeng, streams, raw)
             if body.stream:
                 return self.stream(endpoint, built, streams,
-                                   bool(body.stream_options and body.stream_options.include_usage))
-            return endpoint.response(built, await self.collect(streams, raw))
+                                   bool(body.stream_options and body.stream_options.include_usage), record)
+            outs = await self.collect(streams, raw)
+            record.finish(usage(built, outs), outs, streams)
+            return endpoint.response(built, outs)
         except OverloadedError as e:
             raise overloaded(e) from e
         except EngineDeadError as e:
@@ -262,15 +274,17 @@ class Serving:
             raise
 
     # ---- submit -----------------------------------------------------------------------------------------
-    def submit(self, aeng: AsyncEngine, built: Built, owner: str | None = None) -> list[RequestStream]:
+    def submit(self, aeng: AsyncEngine, built: Built, owner: str | None = None,
+               request_id: str | None = None) -> list[RequestStream]:
         """One reserved engine request per job, or none: every reservation is consumed or released. All jobs are
-        validated first, so a bad one leaves nothing behind in the engine. `owner`: the API key's id, if any."""
+        validated first, so a bad one leaves nothing behind in the engine. `owner`: the API key's id, if any.
+        Job i runs as `<request_id>-<i>` (the engine suffixes one still in use: the same id twice at once)."""
         streams: list[RequestStream] = []
         attempts = 0  # each submit call consumes its reservation, whether or not it succeeds
         try:
             for ids, params in built.jobs:
                 aeng.validate(ids, params)
-            base = new_id("req")
+            base = request_id or new_id("req")
             for i, (ids, params) in enumerate(built.jobs):
                 attempts += 1
                 streams.append(aeng.submit(f"{base}-{i}", ids, params, owner))
@@ -333,7 +347,7 @@ class Serving:
         return outs
 
     async def stream(self, endpoint: Endpoint, built: Built, streams: list[RequestStream],
-                     include_usage: bool) -> AsyncIterator[str]:
+                     include_usage: bool, record: RequestRecord | None = None) -> AsyncIterator[str]:
         """SSE data: the endpoint's chunks, the usage chunk if asked, "[DONE]". An error after the stream started
         is an error event, then [DONE] (the status line has gone already)."""
         outs = [Collected() for _ in streams]
@@ -358,6 +372,8 @@ class Serving:
         finally:
             for s in streams:
                 s.close()
+            if record is not None:  # also what a client that left had received
+                record.finish(usage(built, outs), outs, streams)
         yield "[DONE]"
 
 

@@ -12,6 +12,7 @@ from pagedserve.engine.output_processor import RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server.affinity import PrefixAffinity, ReplicaLoad, RoutingKey, block_chain
 from pagedserve.server.fleet import Admitted, Fleet, Refused, ReplicaLostError
+from pagedserve.server.serving import Built, Serving
 
 SECRET = b"s" * 32
 
@@ -95,13 +96,14 @@ class Replicas:
     """Each call takes the next scripted behaviour: 'refuse', 'die_before', 'die_after', or 'ok'."""
 
     def __init__(self, script: list[str], stats: dict | None = None) -> None:
-        self.script, self.calls = list(script), []
+        self.script, self.calls, self.ids = list(script), [], []
         self.stats = stats if stats is not None else {"r0": {}, "r1": {}}
 
     async def dispatch(self, rid, ids, params, key: RoutingKey):
         what = self.script.pop(0)
         replica = f"r{len(self.calls) % 2}"
         self.calls.append((what, key.avoid))
+        self.ids.append(rid)
         if what == "refuse":
             yield Refused(replica, "server overloaded: full", "queue_full")
             return
@@ -162,3 +164,33 @@ def test_death_before_the_first_output_is_retried_once_after_it_is_a_coded_error
     assert texts == [] and isinstance(err, ReplicaLostError) and err.code == "replica_died"
     texts, err = asyncio.run(run(fleet(Replicas(["die_after"]))))  # a client saw part of it: never replayed
     assert texts == ["t1"] and isinstance(err, ReplicaLostError) and err.code == "replica_died"
+
+
+def test_the_request_id_is_the_replicas_and_a_live_one_is_suffixed():
+    """The pipeline's engine ids (`<X-Request-Id>-<i>`) are what each replica is asked to run, on a retry too; one
+    still live at the ingress (the same X-Request-Id twice at once) goes out suffixed, never clashing in a replica."""
+    r = Replicas(["refuse", "ok", "ok", "ok", "ok"])
+
+    async def main():
+        f = fleet(r)
+        params = SamplingParams(max_tokens=2)
+        for _ in range(2):
+            f.reserve()
+        first = Serving(lambda: f, "m", False, 0.1).submit(f, Built([([1, 2, 3], params)] * 2, 3), None, "client-7")
+        f.reserve()
+        twin = f.submit("client-7-0", [1, 2, 3], params)  # while the first is live
+        streams = [*first, twin]
+        assert [s.request_id for s in streams] == ["client-7-0", "client-7-1", "client-7-0#2"]
+        for s in streams:
+            await s.wait_started()
+            assert [o.text async for o in s] == ["t1", "t2"]
+        await asyncio.sleep(0)  # the remote calls' ends reach the fleet
+        f.reserve()
+        again = f.submit("client-7-0", [1, 2, 3], params)
+        assert again.request_id == "client-7-0"  # free again
+        await again.wait_started()
+        again.close()
+
+    asyncio.run(main())
+    # the refused first call is retried elsewhere under the same id
+    assert r.ids == ["client-7-0", "client-7-0", "client-7-1", "client-7-0#2", "client-7-0"]

@@ -4,6 +4,7 @@ packages' __init__ included), the model never reaches into an attention backend,
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -108,8 +109,11 @@ def test_layers_point_one_way():
 
 
 def test_every_module_imports_in_a_fresh_interpreter():
-    # __main__ runs the CLI; the Ray modules need the optional extra (the Ray tier imports them)
+    # __main__ runs the CLI; the Ray modules need the optional extra (the Ray tier imports them), as does the
+    # OpenTelemetry one (the test extra installs it)
     skip = {"pagedserve.server.__main__", *RAY_MODULES}
+    if importlib.util.find_spec("opentelemetry.sdk") is None:
+        skip.add(OTEL_MODULE)
     mods = sorted(m for m in _modules() if m not in skip)
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint('ok')"
     out = subprocess.run([sys.executable, "-c", code, *mods], cwd="/", capture_output=True, text=True, timeout=300)
@@ -129,6 +133,29 @@ def test_ray_is_imported_only_by_the_ray_modules():
     assert out.stdout.strip().endswith("False"), out.stderr[-3000:]
     for m in RAY_MODULES:
         assert "ray" in ast.unparse(ast.parse(_modules()[m].read_text()))  # these, and only these, may
+
+
+OTEL_MODULE = "pagedserve.server.otel"
+
+
+def test_opentelemetry_is_imported_only_by_the_otel_module():
+    """Without --otlp-traces-endpoint the server never loads the OpenTelemetry SDK or exporter: every other module
+    imports, and an app is built, without them. (FastAPI itself may import the OpenTelemetry API: newer releases
+    depend on it.)"""
+    mods = sorted(m for m in _modules() if m not in ("pagedserve.server.__main__", OTEL_MODULE, *RAY_MODULES))
+    code = ("import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+            "from pagedserve.server.app import ServerConfig, create_app\n"
+            "create_app(lambda: None, ServerConfig('m'))\n"
+            "print(sorted({k for k in sys.modules if k.startswith(('opentelemetry.sdk', 'opentelemetry.exporter'))}))")
+    out = subprocess.run([sys.executable, "-c", code, *mods], cwd="/", capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().endswith("[]"), (out.stdout[-3000:], out.stderr[-3000:])
+    users = [m for m, p in _modules().items() if "opentelemetry" in {n.split(".")[0] for n in _imported_names(p)}]
+    assert users == [OTEL_MODULE]
+
+
+def _imported_names(path: Path) -> set[str]:
+    return {a.name if isinstance(node, ast.Import) else node.module or "" for node in ast.walk(ast.parse(
+        path.read_text())) if isinstance(node, ast.Import | ast.ImportFrom) for a in node.names}
 
 
 def test_no_private_names_cross_modules():

@@ -33,10 +33,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(engine, limits: AdmissionLimits | None = None, **server_options):
+def running_server(engine, limits: AdmissionLimits | None = None, tracing=None, **server_options):
     port = free_port()
     config = ServerConfig(MODEL, limits or AdmissionLimits(), port=port, log_level="warning", **server_options)
-    app = create_app(lambda: engine, config)
+    app = create_app(lambda: engine, config, tracing=tracing)
     server = uvicorn.Server(uvicorn_config(app, config))  # the server `pagedserve serve` runs
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
