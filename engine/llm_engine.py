@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
 import gc
 import itertools
 import logging
@@ -121,7 +122,8 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids |= {self.tokenizer.eos_token_id}
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
-        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, max_len, self.structured)
+        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, max_len, self.structured,
+                                     config.scheduler.scheduling_policy)
         self._requests: dict[str, RequestState] = {}
         self._adds: list[Sequence] = []  # since the last step (the inbox), under _lock
         self._aborts: list[str] = []
@@ -218,9 +220,12 @@ class LLMEngine:
         return self.inputs.validate(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> int:
-        """Queue a request (a string or token ids). Returns the prompt's token count."""
+                    arrival_time: float | None = None, priority: int | None = None) -> int:
+        """Queue a request (a string or token ids). Returns the prompt's token count. `priority` (vLLM's keyword;
+        lower runs first, under --scheduling-policy priority) overrides `params.priority`."""
         params = params or SamplingParams()
+        if priority is not None and priority != params.priority:
+            params = dataclasses.replace(params, priority=priority)  # params may be shared by other requests
         ids = self.tokenize(prompt)
         max_tokens = self.validate(ids, params)
         with self._lock:  # checked early too, so that a duplicate costs nothing below
