@@ -46,6 +46,7 @@ class ReplicaInfo:
     vocab_size: int
     max_model_len: int
     block_size: int
+    scheduling_policy: str  # a non-zero priority is refused at the ingress unless it is "priority"
 
 
 class EngineReplica:
@@ -64,7 +65,8 @@ class EngineReplica:
 
     async def describe(self) -> ReplicaInfo:
         e = self.engine
-        return ReplicaInfo(e.tokenizer, e.model_config.vocab_size, e.max_model_len, e.config.cache.block_size)
+        return ReplicaInfo(e.tokenizer, e.model_config.vocab_size, e.max_model_len, e.config.cache.block_size,
+                           e.config.scheduler.scheduling_policy)
 
     async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
                        key: RoutingKey | None = None) -> AsyncIterator[Item]:
@@ -112,7 +114,8 @@ class Ingress:
         return self.handle.describe.remote().result(timeout_s=DESCRIBE_TIMEOUT_S)
 
     def _start(self, info: ReplicaInfo, config: ServerConfig, on_outputs, loop) -> Fleet:
-        inputs = InputProcessor(info.tokenizer, info.vocab_size, info.max_model_len)
+        inputs = InputProcessor(info.tokenizer, info.vocab_size, info.max_model_len,
+                                scheduling_policy=info.scheduling_policy)
         return Fleet(inputs, self._dispatch, lambda: published_stats(ENGINE), config.limits, info.block_size,
                      on_outputs)
 

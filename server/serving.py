@@ -185,7 +185,7 @@ class Endpoint(ABC):
             stop_token_ids=b.stop_token_ids or [], ignore_eos=b.ignore_eos, presence_penalty=b.presence_penalty,
             frequency_penalty=b.frequency_penalty, logprobs=logprobs, cache_salt=salt,
             prompt_logprobs=prompt_logprobs, structured=spec, logit_bias=logit_bias(b),
-            allowed_token_ids=b.allowed_token_ids)
+            allowed_token_ids=b.allowed_token_ids, priority=b.priority)
 
     def text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else " ".join(map(str, token_ids))

@@ -569,3 +569,18 @@ def test_usage_reports_cached_tokens_on_every_response(client):
     comp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, stream=True,
                                      stream_options={"include_usage": True})
     assert list(comp)[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_priority_is_refused_under_fcfs_on_both_routes(server):
+    """vLLM's rule: a non-zero priority without --scheduling-policy priority is a 400 naming the field."""
+    base, _ = server
+    routes = {"chat/completions": {"messages": [{"role": "user", "content": "Hi"}]}, "completions": {"prompt": "Hi"}}
+    for route, body in routes.items():
+        ok = httpx.post(f"{base}/v1/{route}", json={**body, "max_tokens": 2, "priority": 0}, timeout=120)
+        assert ok.status_code == 200, ok.text
+        r = httpx.post(f"{base}/v1/{route}", json={**body, "max_tokens": 2, "priority": 3}, timeout=120)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["type"] == "invalid_request_error" and err["param"] == "priority" and "priority" in err["message"]
+
