@@ -46,9 +46,10 @@ class AdmissionLimits:
     max_queued_tokens: int | None = opt(None, "prompt tokens allowed to wait; more get 429 + Retry-After",
                                         bound=">= 1")
     max_queue_wait_s: float | None = opt(
-        120.0, "longest a request may wait to start: one whose estimated start (queue depth over the measured "
-               "start rate) is later gets 429 + Retry-After at once, and one still not started then gets 429 "
-               "instead of silence (0: no bound)", bound=">= 0")
+        120.0, "longest a request may wait to be scheduled (its prefill to begin): one whose estimated start (queue "
+               "depth over the measured start rate) is later gets 429 + Retry-After at once, and one still not "
+               "scheduled then gets 429 instead of silence; once scheduled, a request is never refused for its wait, "
+               "however long its prefill (0: no bound)", bound=">= 0")
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -71,6 +72,9 @@ class _Stream:
     started: bool = False  # first output seen
     submitted: float = field(default_factory=time.monotonic)
     first: asyncio.Event = field(default_factory=asyncio.Event)  # set by the first output (or the engine's death)
+    # set once the scheduler has given it tokens (or by the first output, or the engine's death); stays set through
+    # a preemption: a request that has started is never refused for its wait
+    scheduled: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class AdmissionRules(ABC):
@@ -160,7 +164,7 @@ class AsyncEngine(AdmissionRules):
                     self._wake.clear()
                     continue
                 busy = True
-                outputs = engine.step()
+                outputs = engine.step(self._on_scheduled)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
         except BaseException as e:  # noqa: BLE001 - the loop must report any death
@@ -168,7 +172,23 @@ class AsyncEngine(AdmissionRules):
             self.error = e
             self._loop.call_soon_threadsafe(self._fail_all, e)
 
+    def _on_scheduled(self, request_ids: list[str]) -> None:
+        """The engine thread, before a step's forward pass: these requests start in it."""
+        self._loop.call_soon_threadsafe(self._mark_scheduled, request_ids)
+
     # ---- event-loop side ---------------------------------------------------------------------------
+    def _mark_scheduled(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            stream = self._streams.get(request_id)
+            if stream is None or stream.scheduled.is_set():
+                continue
+            stream.scheduled.set()
+            now = time.monotonic()
+            last = self._last_start
+            if last is not None and last[1] > 0 and stream.submitted <= last[0]:
+                self._start_gaps.append(now - last[0])
+            self._last_start = (now, self.num_waiting)
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -177,12 +197,8 @@ class AsyncEngine(AdmissionRules):
             if not stream.started:
                 stream.started = True
                 stream.first.set()
+                stream.scheduled.set()  # ended before it was scheduled (aborted while it waited)
                 self._queued_tokens -= stream.num_prompt_tokens
-                now = time.monotonic()
-                last = self._last_start
-                if last is not None and last[1] > 0 and stream.submitted <= last[0]:
-                    self._start_gaps.append(now - last[0])
-                self._last_start = (now, self.num_waiting)
             stream.queue.put_nowait(out)
         if self.on_outputs is not None:
             self.on_outputs(outputs)
@@ -191,6 +207,7 @@ class AsyncEngine(AdmissionRules):
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(f"engine loop died: {error!r}"))
             stream.first.set()
+            stream.scheduled.set()
         self._deliver_snapshot(EngineDeadError(f"engine loop died: {error!r}"))
 
     def _deliver_snapshot(self, snapshot: EngineSnapshot | BaseException) -> None:
@@ -234,7 +251,8 @@ class AsyncEngine(AdmissionRules):
 
     def expected_wait(self) -> float | None:
         """Seconds until one more request would start: the requests waiting ahead of it times the measured gap
-        between starts while a queue drains (None before any was measured; 0 with nobody waiting)."""
+        between starts (first scheduled) while a queue drains (None before any was measured; 0 with nobody
+        waiting)."""
         if not self._start_gaps:
             return None
         return self.num_waiting * sum(self._start_gaps) / len(self._start_gaps)
@@ -324,10 +342,19 @@ class RequestStream:
 
     @property
     def started(self) -> bool:
+        """It has its first output (or ended)."""
         return self._stream.first.is_set()
+
+    @property
+    def scheduled(self) -> bool:
+        """The scheduler has given it tokens: its prefill has begun (or it ended)."""
+        return self._stream.scheduled.is_set()
 
     async def wait_started(self) -> None:
         await self._stream.first.wait()
+
+    async def wait_scheduled(self) -> None:
+        await self._stream.scheduled.wait()
 
     def close(self) -> None:
         self.owner._close(self.request_id, self._stream, self.finished)

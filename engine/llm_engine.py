@@ -10,6 +10,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -268,12 +269,16 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     # ---- the step -----------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduler step + forward pass. Returns an output for every request that changed."""
+    def step(self, on_scheduled: Callable[[list[str]], None] | None = None) -> list[RequestOutput]:
+        """Run one scheduler step + forward pass. Returns an output for every request that changed.
+        `on_scheduled` is called before the forward pass with the ids of the requests this step schedules for the
+        first time (their prefill begins): the async engine's admission never refuses those for their wait."""
         outputs = self._drain_inbox()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        if on_scheduled is not None and sched.started:
+            on_scheduled([s.request_id for s in sched.started])
         if not sched.seqs:
             return outputs
         reqs = [self._requests[s.request_id] for s in sched.seqs]

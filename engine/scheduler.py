@@ -50,6 +50,7 @@ class SchedulerOutput:
     sample: list[bool] = field(default_factory=list)
     num_preempted: int = 0
     num_admitted: int = 0  # waiting sequences that started (or restarted after preemption) this step
+    started: list[Sequence] = field(default_factory=list)  # of which scheduled for the very first time
 
 
 @dataclass(slots=True)
@@ -225,6 +226,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
+                out.started.append(seq)
             self.running.append(seq)
             if n > 0:
                 self._emit(out, seq, n)
@@ -277,6 +279,9 @@ class Scheduler:
                 self.stats.prompt_tokens_computed -= min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
                 del out.seqs[i], out.num_new_tokens[i], out.sample[i]
                 break
+        if any(s is seq for s in out.started):  # admitted in this very step: it has not started after all
+            out.started.remove(seq)
+            seq.first_scheduled_time = None
         self._preempt(seq)
         return n
 

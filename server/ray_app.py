@@ -30,7 +30,7 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server.affinity import RoutingKey
 from pagedserve.server.app import create_app
 from pagedserve.server.config import ReplicaConfig, ServerConfig
-from pagedserve.server.fleet import Admitted, Fleet, Item, Refused, ReplicaLostError, published_stats
+from pagedserve.server.fleet import Admitted, Fleet, Item, Refused, ReplicaLostError, Scheduled, published_stats
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ class EngineReplica:
 
     async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
                        key: RoutingKey | None = None) -> AsyncIterator[Item]:
-        """Admitted, then the engine's outputs; or Refused alone. `key` is the router's, unused here."""
+        """Admitted, Scheduled once the engine gives it tokens, then the engine's outputs; or Refused alone. `key`
+        is the router's, unused here."""
         if not self._started:  # the engine thread hands outputs to the loop Ray runs this replica's calls on
             self._started = True
             self.aeng.start(asyncio.get_running_loop())
@@ -82,6 +83,8 @@ class EngineReplica:
             return
         yield Admitted(self.replica_id)
         try:  # a cancelled call (client gone, ingress closed the stream) ends here: close() aborts the request
+            await stream.wait_scheduled()  # also set by the engine's death, which the stream then raises
+            yield Scheduled(self.replica_id)
             async for out in stream:
                 yield out
         finally:

@@ -264,6 +264,22 @@ def test_random_interleavings_never_leak(ops, num_blocks, block_size, budget, ma
     drive(s, ops, lambda: step(s, token))
 
 
+def test_started_reports_each_request_once_preempted_or_not():
+    """What the async engine's admission hears: a request's first scheduled step, never its restart after a
+    preemption (a request that has started is never refused for its wait)."""
+    s = make(num_blocks=6, block_size=4, budget=64)
+    a, b = seq(0, 8, 12), seq(1, 8, 12, base=60)
+    s.add(a)
+    s.add(b)
+    out = step(s)
+    assert out.started == [a, b]
+    started = []
+    while s.has_unfinished():
+        out = step(s)
+        started += out.started
+    assert b.num_preemptions >= 1 and started == []
+
+
 # ---- the priority policy --------------------------------------------------------------------------------------
 def test_priority_orders_admission_and_equal_priorities_keep_fcfs_order():
     s = make(max_num_seqs=1, scheduling_policy="priority")
