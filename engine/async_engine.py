@@ -79,7 +79,7 @@ class _Stream:
 
 class AdmissionRules(ABC):
     """The answers an AsyncEngine and a fleet of them (server/fleet.py) give alike, from what each has: `engine`
-    (what validates a request), `limits`, `num_waiting` and `expected_wait()`."""
+    (what validates a request), `limits`, `num_waiting`, `expected_wait()` and `estimated_wait()`."""
 
     engine: LLMEngine  # a fleet's: an InputProcessor, which validates alike
     limits: AdmissionLimits
@@ -87,14 +87,19 @@ class AdmissionRules(ABC):
 
     @abstractmethod
     def expected_wait(self) -> float | None:
-        """Seconds until one more request would start (None before it can be told)."""
+        """Seconds until one more request would start, as measured while queues drained (None before that): the
+        only estimate a request is refused on before it has waited."""
+
+    @abstractmethod
+    def estimated_wait(self, ahead: int | None = None) -> float | None:
+        """Seconds until `ahead` (default: all) of the requests waiting now have started: at the measured drain rate
+        where there is one, else estimated from what the engine knows (None: nothing known)."""
 
     def retry_after(self, wait: float | None = None) -> float:
-        """Whole seconds in [1, 60] until a retry would likely be admitted."""
-        wait = self.expected_wait() if wait is None else wait
-        if wait is None:
-            return float(min(60, max(1, self.num_waiting // 8 + 1)))
-        return float(min(60, max(1, math.ceil(wait))))
+        """Whole seconds in [1, 60] until a retry would likely be admitted: `wait`, by default the estimated time
+        until every request waiting now has started."""
+        wait = self.estimated_wait() if wait is None else wait
+        return float(min(60, max(1, math.ceil(wait or 0))))
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The engine's checks, plus the admission bounds a request could never pass (400, not 429)."""
@@ -257,6 +262,14 @@ class AsyncEngine(AdmissionRules):
             return None
         return self.num_waiting * sum(self._start_gaps) / len(self._start_gaps)
 
+    def estimated_wait(self, ahead: int | None = None) -> float:
+        """Seconds until `ahead` (default: all) of the requests waiting now have started: at the measured gap between
+        starts, else the engine's own estimate from its step-cost model (LLMEngine.estimated_wait)."""
+        ahead = self.num_waiting if ahead is None else ahead
+        if self._start_gaps:
+            return ahead * sum(self._start_gaps) / len(self._start_gaps)
+        return self.engine.estimated_wait(ahead)
+
     def drain_rate(self) -> float | None:
         """Requests started per second while a queue drains (None before any was measured): what a fleet of
         replicas adds up to estimate its own wait (server/fleet.py)."""
@@ -273,7 +286,7 @@ class AsyncEngine(AdmissionRules):
         limit = self.limits.max_waiting_requests
         if limit is not None and self.num_waiting >= limit:
             raise OverloadedError(f"server overloaded: {self.num_waiting} requests already waiting (limit "
-                                  f"{limit})", self.retry_after())
+                                  f"{limit})", self.retry_after(self.estimated_wait(self.num_waiting - limit + 1)))
         bound, wait = self.limits.max_queue_wait_s, self.expected_wait()
         if bound and wait is not None and wait > bound:
             raise OverloadedError(f"server overloaded: a new request would start in about {wait:.0f} s, later than "
@@ -298,7 +311,8 @@ class AsyncEngine(AdmissionRules):
         limit = self.limits.max_queued_tokens
         if limit is not None and self._queued_tokens > 0 and self._queued_tokens + n > limit:
             raise OverloadedError(f"server overloaded: {self._queued_tokens} prompt tokens queued "
-                                  f"(limit {limit})", self.retry_after())
+                                  f"(limit {limit})",
+                                  self.retry_after(self.engine.prefill_time(self._queued_tokens + n - limit)))
         self.engine.add_request(request_id, prompt_token_ids, params)
         stream = _Stream(n, owner)
         self._streams[request_id] = stream

@@ -29,7 +29,7 @@ from pagedserve.engine.output_processor import OutputProcessor, RequestOutput, R
 from pagedserve.engine.quant.loading import QuantSpec
 from pagedserve.engine.sampler import SampleRequest
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import Scheduler, SchedulerStats
+from pagedserve.engine.scheduler import DEFAULT_PREFILL_MS_PER_TOKEN, Scheduler, SchedulerStats
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.snapshot import EngineSnapshot, StepRecord
 from pagedserve.engine.snapshot import take as take_snapshot
@@ -267,6 +267,36 @@ class LLMEngine:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+    def prefill_time(self, num_tokens: int) -> float:
+        """Seconds to prefill this many prompt tokens: the step-cost model's measured cost per token (before it is
+        fitted, the scheduler's prior). Any thread."""
+        return num_tokens * (self.cost_model.ms_per_prefill_token() or DEFAULT_PREFILL_MS_PER_TOKEN) / 1e3
+
+    def estimated_wait(self, ahead: int) -> float:
+        """Seconds until the first `ahead` requests waiting now (in queue order; any beyond those known here count
+        for their seats only) will have been scheduled, from what the engine knows: the prompts ahead of the last of
+        them prefilled (`prefill_time`; running prompts first), and, where they need more seats than --max-num-seqs
+        leaves, as many running requests finished, each running to its max_tokens in decode steps timed by the
+        step-cost model (else as long as the last step). An upper estimate, since outputs may end early: a
+        Retry-After's when no queue has drained yet to be measured. Any thread: it reads the scheduler's lists
+        without stopping the loop."""
+        if ahead <= 0:
+            return 0.0
+        with self._lock:
+            queue = list(self.scheduler.waiting) + self._adds
+        running = list(self.scheduler.running)
+        prompts = [s for s in running if s.num_tokens - s.num_computed_tokens > 1] + queue[:ahead - 1]
+        seconds = self.prefill_time(sum(s.num_tokens - s.num_computed_tokens for s in prompts))
+        must_finish = len(running) + ahead - self.config.scheduler.max_num_seqs
+        if must_finish > 0 and running:
+            step_ms = self.cost_model.decode_ms(len(running), sum(s.num_tokens for s in running))
+            if not step_ms and self.last_step is not None:
+                step_ms = self.last_step.ms
+            left = sorted(max(0, s.max_tokens - s.num_output_tokens) for s in running)
+            rounds, k = divmod(must_finish - 1, len(left))  # past one batch, each next one as long as the longest
+            seconds += (left[k] + rounds * left[-1]) * (step_ms or 0.0) / 1e3
+        return seconds
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self, on_scheduled: Callable[[list[str]], None] | None = None) -> list[RequestOutput]:

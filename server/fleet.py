@@ -6,7 +6,8 @@ replica, which answers first `Admitted` or `Refused` (its own admission, the aut
 `Scheduled` once its engine has given the request tokens (from then on it is never refused for its wait), then the
 engine's outputs. What happens on the way, in order:
   - refused: the next replica is tried (the router ranks the refusers last); when every replica has refused,
-    the client gets our 429 with a Retry-After from the whole fleet's drain rate;
+    the client gets our 429 with a Retry-After from the whole fleet's drain rate (before any replica has
+    measured one: the soonest start a replica estimates from its step-cost model);
   - the replica died before the first output: retried once, elsewhere (nothing was sent to the client: the
     pipeline sends a stream's status line only after the first output);
   - the replica died after it: the stream ends with an error event coded `replica_died` (a non-streamed
@@ -122,6 +123,16 @@ class Fleet(AdmissionRules):
         rate = sum(x.drain_rate for x in self.loads() if x.drain_rate)
         return self.num_waiting / rate if rate else None
 
+    def estimated_wait(self, ahead: int | None = None) -> float | None:
+        """Seconds until `ahead` (default: all) of the requests waiting in the fleet have started, at the sum of the
+        replicas' drain rates; before any replica has measured one, the soonest start any replica estimates for a
+        request of its own (its `estimated_wait`, from its step-cost model), as a retry may go to any (None until
+        some replica has published one)."""
+        rate = sum(x.drain_rate for x in self.loads() if x.drain_rate)
+        if rate:
+            return (self.num_waiting if ahead is None else ahead) / rate
+        estimates = [s["estimated_wait"] for s in self.replica_stats().values() if s.get("estimated_wait") is not None]
+        return min(estimates, default=None)
 
     # ---- admission and submission ----------------------------------------------------------------------
     def reserve(self) -> None:

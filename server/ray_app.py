@@ -95,6 +95,7 @@ class EngineReplica:
         return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
                 "num_preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits, "drain_rate": self.aeng.drain_rate(),
+                "estimated_wait": self.aeng.estimated_wait(),
                 "max_waiting_requests": self.aeng.limits.max_waiting_requests}
 
     async def check_health(self) -> None:
@@ -109,6 +110,7 @@ class Ingress:
         self.handle = engine
         self.stream_handle = engine.options(stream=True)
         self.config = config
+        self.fleet: Fleet | None = None  # once the replicas have described themselves
 
     def __serve_build_asgi_app__(self):
         return create_app(self._describe, self.config, start=self._start)
@@ -119,8 +121,9 @@ class Ingress:
     def _start(self, info: ReplicaInfo, config: ServerConfig, on_outputs, loop) -> Fleet:
         inputs = InputProcessor(info.tokenizer, info.vocab_size, info.max_model_len,
                                 scheduling_policy=info.scheduling_policy)
-        return Fleet(inputs, self._dispatch, lambda: published_stats(ENGINE), config.limits, info.block_size,
-                     on_outputs)
+        self.fleet = Fleet(inputs, self._dispatch, lambda: published_stats(ENGINE), config.limits, info.block_size,
+                           on_outputs)
+        return self.fleet
 
     async def _dispatch(self, request_id: str, ids: list[int], params: SamplingParams,
                         key: RoutingKey) -> AsyncIterator[Item]:
@@ -137,7 +140,7 @@ class Ingress:
                 raise ReplicaLostError("replica's engine died") from e
             raise
         except BackPressureError as e:
-            raise OverloadedError("server overloaded: the router's queue is full", 1.0) from e
+            raise OverloadedError("server overloaded: the router's queue is full", self.fleet.retry_after()) from e
         finally:
             response.cancel()
 

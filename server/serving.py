@@ -296,9 +296,8 @@ class Serving:
             while pending := [w for w in waiters if not w.done()]:
                 queued = not any(s.scheduled for s in streams)
                 if queued and loop.time() >= deadline:
-                    wait = aeng.expected_wait()  # a retry is welcome once the queue ahead would start in time
                     raise OverloadedError(f"server overloaded: not scheduled within {bound:g} s (--max-queue-wait-s)",
-                                          aeng.retry_after(None if wait is None else wait - bound), "queue_wait")
+                                          aeng.retry_after(), "queue_wait")
                 poll = self.disconnect_poll_s
                 await asyncio.wait(pending, timeout=max(0, min(poll, deadline - loop.time())) if queued else poll,
                                    return_when=asyncio.FIRST_COMPLETED)

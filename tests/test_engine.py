@@ -410,3 +410,22 @@ def test_priority_keyword_of_add_request_and_generate(make_engine):
     with pytest.raises(ValueError, match="one priority per prompt"):
         llm.generate(["One"], params, priority=[1, 2])
 
+
+def test_estimated_wait_is_built_from_what_the_engine_knows(make_engine):
+    """A Retry-After's estimate before any queue has drained: the prompts ahead at the prefill cost per token (the
+    scheduler's prior while the step-cost model is unfitted), plus, for want of a seat, the running request's
+    remaining max_tokens at the last step's time; a second batch as long as the longest."""
+    from pagedserve.engine.scheduler import DEFAULT_PREFILL_MS_PER_TOKEN
+
+    engine = make_engine(num_blocks=64, max_num_seqs=1)
+    engine.add_request("running", "Tell me a story", greedy(20))
+    engine.step()
+    engine.step()  # its prompt and 2 tokens: 18 left
+    assert engine.cost_model.ms_per_prefill_token() is None and engine.estimated_wait(0) == 0
+    step_s = engine.last_step.ms / 1e3
+    assert engine.estimated_wait(1) == pytest.approx(18 * step_s)
+    n = engine.add_request("queued", "The capital of France is", greedy(4))
+    assert engine.estimated_wait(2) == pytest.approx(n * DEFAULT_PREFILL_MS_PER_TOKEN / 1e3 + 2 * 18 * step_s)
+    engine.abort("running")
+    engine.abort("queued")
+    run_to_completion(engine)

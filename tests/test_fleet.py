@@ -189,3 +189,10 @@ def test_scheduled_reaches_the_stream_before_the_first_output_and_priority_reach
     assert asyncio.run(scenario()) == ["t1", "t2"]
     assert r.params[0].priority == -3
 
+
+def test_retry_after_before_any_drain_rate_is_the_soonest_replica_estimate():
+    r = Replicas(["refuse", "refuse"], stats={"r0": {"num_waiting": 4, "estimated_wait": 7.2},
+                                              "r1": {"num_waiting": 1, "estimated_wait": 2.1}})
+    texts, err = asyncio.run(run(fleet(r)))
+    assert isinstance(err, OverloadedError) and err.retry_after == 3.0  # a retry may go to r1: ceil(2.1)
+    assert fleet(Replicas([], stats={"r0": {}})).retry_after() == 1.0  # nothing published yet: the floor

@@ -610,9 +610,10 @@ def test_scheduled_requests_are_never_refused_for_their_wait(make_engine):
         _wait_idle(state)
 
 
-def test_a_request_not_scheduled_within_the_bound_gets_429(make_engine):
+def test_a_request_not_scheduled_within_the_bound_gets_429_with_an_estimated_retry_after(make_engine):
     """The only seat is taken by a long request: the next one is not scheduled within --max-queue-wait-s and gets a
-    429 rather than silence."""
+    429 whose Retry-After is the engine's estimate (the running request's remaining tokens at the measured step
+    time), not a constant."""
     engine = make_engine(num_blocks=128, max_num_seqs=1, max_step_ms=0)
     slowed(engine, 0.2)
     with running_server(engine, AdmissionLimits(max_queue_wait_s=1)) as (base, state):
@@ -630,6 +631,8 @@ def test_a_request_not_scheduled_within_the_bound_gets_429(make_engine):
         assert refused.status_code == 429, refused.text
         err = refused.json()["error"]
         assert err["code"] == "server_overloaded" and "not scheduled within 1 s" in err["message"]
+        retry = int(refused.headers["retry-after"])
+        assert 2 <= retry <= 60 and f"Retry after {retry} s" in err["message"]
         _wait_idle(state)
 
 
