@@ -53,9 +53,10 @@ class AdmissionLimits:
     max_queued_tokens: int | None = opt(None, "prompt tokens allowed to wait; more get 429 + Retry-After",
                                         bound=">= 1")
     max_queue_wait_s: float | None = opt(
-        120.0, "longest a request may wait to start: one whose estimated start (queue depth over the measured "
-               "start rate) is later gets 429 + Retry-After at once, and one still not started then gets 429 "
-               "instead of silence (0: no bound)", bound=">= 0")
+        120.0, "longest a request may wait to be scheduled (its prefill to begin): one whose estimated start (queue "
+               "depth over the measured start rate) is later gets 429 + Retry-After at once, and one still not "
+               "scheduled then gets 429 instead of silence; once scheduled, a request is never refused for its wait, "
+               "however long its prefill (0: no bound)", bound=">= 0")
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -91,11 +92,14 @@ class _Stream:
     submitted: float = field(default_factory=time.monotonic)
     first: asyncio.Event = field(default_factory=asyncio.Event)  # set by the first output (or the engine's death)
     error: BaseException | None = None  # what ended the request before its first output
+    # set once the scheduler has given it tokens (or by the first output, or the engine's death); stays set through
+    # a preemption: a request that has started is never refused for its wait
+    scheduled: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class AdmissionRules(ABC):
     """The answers an AsyncEngine and a fleet of them (server/fleet.py) give alike, from what each has: `engine`
-    (what validates a request), `limits`, `num_waiting` and `expected_wait()`."""
+    (what validates a request), `limits`, `num_waiting`, `expected_wait()` and `estimated_wait()`."""
 
     engine: LLMEngine  # a fleet's: an InputProcessor, which validates alike
     limits: AdmissionLimits
@@ -103,14 +107,19 @@ class AdmissionRules(ABC):
 
     @abstractmethod
     def expected_wait(self) -> float | None:
-        """Seconds until one more request would start (None before it can be told)."""
+        """Seconds until one more request would start, as measured while queues drained (None before that): the
+        only estimate a request is refused on before it has waited."""
+
+    @abstractmethod
+    def estimated_wait(self, ahead: int | None = None) -> float | None:
+        """Seconds until `ahead` (default: all) of the requests waiting now have started: at the measured drain rate
+        where there is one, else estimated from what the engine knows (None: nothing known)."""
 
     def retry_after(self, wait: float | None = None) -> float:
-        """Whole seconds in [1, 60] until a retry would likely be admitted."""
-        wait = self.expected_wait() if wait is None else wait
-        if wait is None:
-            return float(min(60, max(1, self.num_waiting // 8 + 1)))
-        return float(min(60, max(1, math.ceil(wait))))
+        """Whole seconds in [1, 60] until a retry would likely be admitted: `wait`, by default the estimated time
+        until every request waiting now has started."""
+        wait = self.estimated_wait() if wait is None else wait
+        return float(min(60, max(1, math.ceil(wait or 0))))
 
     @property
     @abstractmethod
@@ -190,7 +199,7 @@ class AsyncEngine(AdmissionRules):
                     self._wake.clear()
                     continue
                 busy = True
-                outputs = engine.step()
+                outputs = engine.step(self._on_scheduled)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
         except BaseException as e:  # noqa: BLE001 - the loop must report any death
@@ -198,7 +207,23 @@ class AsyncEngine(AdmissionRules):
             self.error = e
             self._loop.call_soon_threadsafe(self._died, e)
 
+    def _on_scheduled(self, request_ids: list[str]) -> None:
+        """The engine thread, before a step's forward pass: these requests start in it."""
+        self._loop.call_soon_threadsafe(self._mark_scheduled, request_ids)
+
     # ---- event-loop side ---------------------------------------------------------------------------
+    def _mark_scheduled(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            stream = self._streams.get(request_id)
+            if stream is None or stream.scheduled.is_set():
+                continue
+            stream.scheduled.set()
+            now = time.monotonic()
+            last = self._last_start
+            if last is not None and last[1] > 0 and stream.submitted <= last[0]:
+                self._start_gaps.append(now - last[0])
+            self._last_start = (now, self.num_waiting)
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -207,12 +232,8 @@ class AsyncEngine(AdmissionRules):
             if not stream.started:
                 stream.started = True
                 stream.first.set()
+                stream.scheduled.set()  # ended before it was scheduled (aborted while it waited)
                 self._queued_tokens -= stream.num_prompt_tokens
-                now = time.monotonic()
-                last = self._last_start
-                if last is not None and last[1] > 0 and stream.submitted <= last[0]:
-                    self._start_gaps.append(now - last[0])
-                self._last_start = (now, self.num_waiting)
             stream.queue.put_nowait(out)
         if self.on_outputs is not None:
             self.on_outputs(outputs)
@@ -232,6 +253,7 @@ class AsyncEngine(AdmissionRules):
                 stream.error = error
             stream.queue.put_nowait(error)
             stream.first.set()
+            stream.scheduled.set()
 
     def _deliver_snapshot(self, snapshot: EngineSnapshot | BaseException) -> None:
         waiters, self._snapshot_waiters = self._snapshot_waiters, []
@@ -274,10 +296,19 @@ class AsyncEngine(AdmissionRules):
 
     def expected_wait(self) -> float | None:
         """Seconds until one more request would start: the requests waiting ahead of it times the measured gap
-        between starts while a queue drains (None before any was measured; 0 with nobody waiting)."""
+        between starts (first scheduled) while a queue drains (None before any was measured; 0 with nobody
+        waiting)."""
         if not self._start_gaps:
             return None
         return self.num_waiting * sum(self._start_gaps) / len(self._start_gaps)
+
+    def estimated_wait(self, ahead: int | None = None) -> float:
+        """Seconds until `ahead` (default: all) of the requests waiting now have started: at the measured gap between
+        starts, else the engine's own estimate from its step-cost model (LLMEngine.estimated_wait)."""
+        ahead = self.num_waiting if ahead is None else ahead
+        if self._start_gaps:
+            return ahead * sum(self._start_gaps) / len(self._start_gaps)
+        return self.engine.estimated_wait(ahead)
 
     def drain_rate(self) -> float | None:
         """Requests started per second while a queue drains (None before any was measured): what a fleet of
@@ -295,7 +326,7 @@ class AsyncEngine(AdmissionRules):
         limit = self.limits.max_waiting_requests
         if limit is not None and self.num_waiting >= limit:
             raise OverloadedError(f"server overloaded: {self.num_waiting} requests already waiting (limit "
-                                  f"{limit})", self.retry_after())
+                                  f"{limit})", self.retry_after(self.estimated_wait(self.num_waiting - limit + 1)))
         bound, wait = self.limits.max_queue_wait_s, self.expected_wait()
         if bound and wait is not None and wait > bound:
             raise OverloadedError(f"server overloaded: a new request would start in about {wait:.0f} s, later than "
@@ -326,7 +357,8 @@ class AsyncEngine(AdmissionRules):
         limit = self.limits.max_queued_tokens
         if limit is not None and self._queued_tokens > 0 and self._queued_tokens + n > limit:
             raise OverloadedError(f"server overloaded: {self._queued_tokens} prompt tokens queued "
-                                  f"(limit {limit})", self.retry_after())
+                                  f"(limit {limit})",
+                                  self.retry_after(self.engine.prefill_time(self._queued_tokens + n - limit)))
         if (rid := unused_id(request_id, self.in_use)) != request_id:
             logger.info("request id %s is still in use in the engine; running it as %s", request_id, rid)
             request_id = rid
@@ -373,7 +405,13 @@ class RequestStream:
 
     @property
     def started(self) -> bool:
+        """It has its first output (or ended)."""
         return self._stream.first.is_set()
+
+    @property
+    def scheduled(self) -> bool:
+        """The scheduler has given it tokens: its prefill has begun (or it ended)."""
+        return self._stream.scheduled.is_set()
 
     async def wait_started(self) -> None:
         """Until the first output; raises what ended the request before one (the engine's death, a shutdown)."""
@@ -381,6 +419,9 @@ class RequestStream:
         if self._stream.error is not None:
             self.close()
             raise self._stream.error
+
+    async def wait_scheduled(self) -> None:
+        await self._stream.scheduled.wait()
 
     def close(self) -> None:
         self.owner._close(self.request_id, self._stream, self.finished)

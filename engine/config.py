@@ -170,6 +170,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = opt(2048, "token budget per step", bound=">= 1")
     policy: str = opt("continuous", "continuous, or static (a fixed batch runs until its longest member ends)",
                       choices=("continuous", "static"))
+    scheduling_policy: str = opt("fcfs", "fcfs, or priority (vLLM's): a request's `priority` (lower first) orders the "
+                                         "waiting queue, and a more urgent request preempts less urgent running ones "
+                                         "when it finds no seat or KV blocks; under fcfs a non-zero priority is "
+                                         "refused (400)", choices=("fcfs", "priority"))
     max_step_ms: float | None = opt(None, "step-time target in ms, the longest a running stream should wait for its "
                                           "next token: prefill chunks are sized by the measured step-cost model to "
                                           "keep steps under it (default: 5x what a decode step of every admitted "

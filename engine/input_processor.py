@@ -16,8 +16,9 @@ from pagedserve.engine.tokenizer import apply_chat_template
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
-                 structured: StructuredOutputs | None = None) -> None:
+                 structured: StructuredOutputs | None = None, scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.structured = structured or StructuredOutputs(tokenizer, vocab_size)
@@ -60,6 +61,9 @@ class InputProcessor:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a tokenized request; return its resolved max_tokens. Raises InvalidRequestError."""
+        if params.priority != 0 and self.scheduling_policy != "priority":  # as vLLM: not silently ignored
+            raise InvalidRequestError(f"priority {params.priority} needs priority scheduling, which is not enabled "
+                                      "(--scheduling-policy priority)", "priority")
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence as SequenceABC
@@ -44,13 +45,21 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[str] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 priority: list[int] | None = None) -> list[GenerationResult]:
+        """`priority`: one per prompt, lower first, with `scheduling_policy="priority"` (vLLM's keyword; it
+        overrides each SamplingParams' own)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, SequenceABC):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("need one SamplingParams per prompt")
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError("need one priority per prompt")
+            sampling_params = [dataclasses.replace(p or SamplingParams(), priority=x)
+                               for p, x in zip(sampling_params, priority)]
         base = next(_calls)
         ids = [f"gen-{base}-{i}" for i in range(len(prompts))]
         prompt_ids = {}

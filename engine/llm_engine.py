@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
 import gc
 import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +29,7 @@ from pagedserve.engine.output_processor import OutputProcessor, RequestOutput, R
 from pagedserve.engine.quant.loading import QuantSpec
 from pagedserve.engine.sampler import SampleRequest
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import Scheduler, SchedulerStats
+from pagedserve.engine.scheduler import DEFAULT_PREFILL_MS_PER_TOKEN, Scheduler, SchedulerStats
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.snapshot import EngineSnapshot, StepRecord
 from pagedserve.engine.snapshot import take as take_snapshot
@@ -121,7 +123,8 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids |= {self.tokenizer.eos_token_id}
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
-        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, max_len, self.structured)
+        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, max_len, self.structured,
+                                     config.scheduler.scheduling_policy)
         self._requests: dict[str, RequestState] = {}
         self._adds: list[Sequence] = []  # since the last step (the inbox), under _lock
         self._aborts: list[str] = []
@@ -218,9 +221,12 @@ class LLMEngine:
         return self.inputs.validate(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> int:
-        """Queue a request (a string or token ids). Returns the prompt's token count."""
+                    arrival_time: float | None = None, priority: int | None = None) -> int:
+        """Queue a request (a string or token ids). Returns the prompt's token count. `priority` (vLLM's keyword;
+        lower runs first, under --scheduling-policy priority) overrides `params.priority`."""
         params = params or SamplingParams()
+        if priority is not None and priority != params.priority:
+            params = dataclasses.replace(params, priority=priority)  # params may be shared by other requests
         ids = self.tokenize(prompt)
         max_tokens = self.validate(ids, params)
         with self._lock:  # checked early too, so that a duplicate costs nothing below
@@ -267,13 +273,47 @@ class LLMEngine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    def prefill_time(self, num_tokens: int) -> float:
+        """Seconds to prefill this many prompt tokens: the step-cost model's measured cost per token (before it is
+        fitted, the scheduler's prior). Any thread."""
+        return num_tokens * (self.cost_model.ms_per_prefill_token() or DEFAULT_PREFILL_MS_PER_TOKEN) / 1e3
+
+    def estimated_wait(self, ahead: int) -> float:
+        """Seconds until the first `ahead` requests waiting now (in queue order; any beyond those known here count
+        for their seats only) will have been scheduled, from what the engine knows: the prompts ahead of the last of
+        them prefilled (`prefill_time`; running prompts first), and, where they need more seats than --max-num-seqs
+        leaves, as many running requests finished, each running to its max_tokens in decode steps timed by the
+        step-cost model (else as long as the last step). An upper estimate, since outputs may end early: a
+        Retry-After's when no queue has drained yet to be measured. Any thread: it reads the scheduler's lists
+        without stopping the loop."""
+        if ahead <= 0:
+            return 0.0
+        with self._lock:
+            queue = list(self.scheduler.waiting) + self._adds
+        running = list(self.scheduler.running)
+        prompts = [s for s in running if s.num_tokens - s.num_computed_tokens > 1] + queue[:ahead - 1]
+        seconds = self.prefill_time(sum(s.num_tokens - s.num_computed_tokens for s in prompts))
+        must_finish = len(running) + ahead - self.config.scheduler.max_num_seqs
+        if must_finish > 0 and running:
+            step_ms = self.cost_model.decode_ms(len(running), sum(s.num_tokens for s in running))
+            if not step_ms and self.last_step is not None:
+                step_ms = self.last_step.ms
+            left = sorted(max(0, s.max_tokens - s.num_output_tokens) for s in running)
+            rounds, k = divmod(must_finish - 1, len(left))  # past one batch, each next one as long as the longest
+            seconds += (left[k] + rounds * left[-1]) * (step_ms or 0.0) / 1e3
+        return seconds
+
     # ---- the step -----------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduler step + forward pass. Returns an output for every request that changed."""
+    def step(self, on_scheduled: Callable[[list[str]], None] | None = None) -> list[RequestOutput]:
+        """Run one scheduler step + forward pass. Returns an output for every request that changed.
+        `on_scheduled` is called before the forward pass with the ids of the requests this step schedules for the
+        first time (their prefill begins): the async engine's admission never refuses those for their wait."""
         outputs = self._drain_inbox()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        if on_scheduled is not None and sched.started:
+            on_scheduled([s.request_id for s in sched.started])
         if not sched.seqs:
             return outputs
         reqs = [self._requests[s.request_id] for s in sched.seqs]

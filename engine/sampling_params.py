@@ -36,10 +36,15 @@ class SamplingParams:
     structured: StructuredSpec | None = None  # grammar the output must match (engine/structured.py)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI)
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    # vLLM's request priority, lower first (--scheduling-policy priority). vLLM passes it beside the params; here it
+    # rides in them, as cache_salt does, so every path that carries a request's params carries it
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
             raise InvalidRequestError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}", "seed")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise InvalidRequestError(f"priority must be an integer, got {self.priority!r}", "priority")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidRequestError(f"cache_salt must be a string, got {self.cache_salt!r}", "cache_salt")
         if isinstance(self.stop, str):

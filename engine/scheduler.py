@@ -14,7 +14,16 @@ its decodes (the target is what a running stream waits for its next token: by de
 decode step of every admitted and waiting sequence will cost), but always at least MIN_PREFILL_TOKENS, oldest
 prompt first, so no prompt starves (a running prompt that finds the time budget spent sits the step out).
 When blocks run out the newest running sequence is preempted (blocks freed, recomputed later ahead of every
-request not yet started); nothing new is admitted that step. Pure Python: tested without a model.
+request not yet started); nothing new is admitted that step.
+
+`scheduling_policy="priority"` (vLLM's): each request carries an integer priority, lower runs first. A step is
+filled in order of urgency: at each priority, most urgent first, its running sequences, then its waiting ones (in
+the order above). When blocks run out, the least urgent running sequence is preempted (the newest among equals),
+even one already given tokens this step (it gives them back), and nothing new is admitted after that in the step.
+A waiting request that finds no free seat or KV blocks preempts running sequences strictly less urgent than
+itself, least urgent first; they are not readmitted before the next step. With one priority for all it schedules
+exactly as fcfs. There is no aging: a steady stream of urgent requests starves less urgent ones (as in vLLM).
+Pure Python: tested without a model.
 """
 
 from __future__ import annotations
@@ -41,6 +50,15 @@ class SchedulerOutput:
     sample: list[bool] = field(default_factory=list)
     num_preempted: int = 0
     num_admitted: int = 0  # waiting sequences that started (or restarted after preemption) this step
+    started: list[Sequence] = field(default_factory=list)  # of which scheduled for the very first time
+
+
+@dataclass(slots=True)
+class _Budget:
+    """What is left of a step's budgets as it is filled."""
+
+    tokens: int  # of max_num_batched_tokens
+    prefill: int  # prompt tokens within the step-time target
 
 
 @dataclass(slots=True)
@@ -57,13 +75,20 @@ def admission_key(seq: Sequence) -> tuple[bool, float]:
     return seq.num_preemptions == 0, seq.deadline
 
 
+def priority_admission_key(seq: Sequence) -> tuple[int, bool, float]:
+    """Waiting order of the priority policy: by priority (lower first), then as fcfs."""
+    return seq.params.priority, seq.num_preemptions == 0, seq.deadline
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  cost_model: StepCostModel | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.cost_model = cost_model
-        self.waiting: list[Sequence] = []  # by admission_key
+        self.by_priority = config.scheduling_policy == "priority"
+        self.key = priority_admission_key if self.by_priority else admission_key
+        self.waiting: list[Sequence] = []  # by self.key
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
 
@@ -73,7 +98,7 @@ class Scheduler:
         if seq.deadline is None:
             per_token = self.cost_model.ms_per_prefill_token() if self.cost_model is not None else None
             seq.deadline = seq.arrival_time + seq.num_tokens * (per_token or DEFAULT_PREFILL_MS_PER_TOKEN) / 1e3
-        bisect.insort(self.waiting, seq, key=admission_key)
+        bisect.insort(self.waiting, seq, key=self.key)
 
     def abort(self, request_id: str) -> Sequence | None:
         for queue in (self.waiting, self.running):
@@ -96,66 +121,129 @@ class Scheduler:
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        prefill_budget = self._prefill_time_budget()
-        bm = self.block_manager
+        left = _Budget(self.config.max_num_batched_tokens, self._prefill_time_budget())
+        evicted: list[Sequence] = []  # preempted to make room for a waiting request: they wait for the next step
+        # static batching: a new batch forms only when the previous one has fully drained
+        admitting = self.config.policy == "continuous" or not self.running
+        if not self.by_priority:
+            self._schedule_running(out, left)
+            if admitting and out.num_preempted == 0:
+                self._admit(out, left, evicted)
+            return out
+        # The priority policy fills the step in order of urgency: at each priority, most urgent first, the running
+        # sequences, then the waiting ones. With one priority for all, that is fcfs's order.
+        seen: set[int] = set()
+        while True:
+            level = self.waiting[0].params.priority if admitting and self.waiting else None
+            preempted = out.num_preempted
+            self._schedule_running(out, left, seen, level)
+            if level is None:
+                return out
+            if out.num_preempted > preempted:  # blocks ran out: nothing new is admitted in this step
+                admitting = False
+                continue
+            admitting = self._admit(out, left, evicted, level)
+            seen.update(id(s) for s in out.seqs)  # those just admitted have had their share
 
+    def _schedule_running(self, out: SchedulerOutput, left: _Budget, seen: set[int] | None = None,
+                          level: int | None = None) -> None:
+        """Running sequences in order, each as many of its tokens as the budgets allow; when blocks run out,
+        `_victim` is preempted. Priority policy: only those of at most `level` (all: None) not `seen` yet, which
+        then are."""
+        bm = self.block_manager
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and left.tokens > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n > 1:  # a prompt chunk (drafts are added below, to decodes only): sized by the step-time budget
-                if prefill_budget <= 0:
+            if seen is not None:
+                if id(seq) in seen or (level is not None and seq.params.priority > level):
                     i += 1
                     continue
-                n = min(n, prefill_budget)
-                prefill_budget -= n
+                seen.add(id(seq))
+            n = min(seq.num_tokens - seq.num_computed_tokens, left.tokens)
+            if n > 1:  # a prompt chunk (drafts are added below, to decodes only): sized by the step-time budget
+                if left.prefill <= 0:
+                    i += 1
+                    continue
+                n = min(n, left.prefill)
+                left.prefill -= n
             if seq.spec_token_ids:  # drafts ride along within the budget, and never cause a preemption
-                k = min(len(seq.spec_token_ids), budget - n) if n == seq.num_tokens - seq.num_computed_tokens else 0
+                whole = n == seq.num_tokens - seq.num_computed_tokens
+                k = min(len(seq.spec_token_ids), left.tokens - n) if whole else 0
                 if k and not bm.can_allocate(seq, n + k):
                     k = 0
                 del seq.spec_token_ids[k:]
                 n += k
             while not bm.can_allocate(seq, n):
-                victim = self.running.pop()  # the newest
-                self._preempt(victim)
-                out.num_preempted += 1
+                victim = self._victim()
+                if next(j for j, s in enumerate(self.running) if s is victim) < i:
+                    i -= 1  # scheduled earlier in this step (priority policy only): it gives its tokens back
+                left.tokens += self._preempt_running(out, victim)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
-                break  # preempted itself: it was the newest, nothing after it
+                continue  # preempted itself; under fcfs it was the newest, so nothing comes after it
             bm.allocate(seq, n)
             self._emit(out, seq, n)
-            budget -= n
+            left.tokens -= n
             i += 1
 
-        # static batching: a new batch forms only when the previous one has fully drained
-        if out.num_preempted == 0 and (self.config.policy == "continuous" or not self.running):
-            while self.waiting and len(self.running) < self.config.max_num_seqs:
-                if (budget <= 0 or prefill_budget <= 0) and self.config.policy == "continuous":
-                    break
-                seq = self.waiting[0]
-                # prompt logprobs need every prompt position computed: no prefix-cache hit (as vLLM)
-                cached = bm.find_cached_prefix(seq) if seq.params.prompt_logprobs is None else []
-                n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
-                n = min(n, prefill_budget) if n > 1 else n
-                prefill_budget -= n
-                if not bm.can_allocate(seq, n, cached):
-                    break  # nobody overtakes the head of the queue
-                self.waiting.pop(0)
-                out.num_admitted += 1
-                bm.allocate(seq, n, cached)
-                seq.num_cached_tokens = len(cached) * bm.block_size
-                self.stats.prefix_cache_queries += seq.num_tokens
-                self.stats.prefix_cache_hits += seq.num_cached_tokens
-                seq.status = SequenceStatus.RUNNING
-                if seq.first_scheduled_time is None:
-                    seq.first_scheduled_time = time.monotonic()
-                self.running.append(seq)
-                if n > 0:
-                    self._emit(out, seq, n)
-                    budget -= n
-        return out
+    def _admit(self, out: SchedulerOutput, left: _Budget, evicted: list[Sequence], level: int | None = None) -> bool:
+        """Waiting sequences in queue order (priority policy: those of priority `level`), while seats, blocks and
+        budgets last; nobody overtakes the head. Under the priority policy the head takes a seat or blocks from
+        running sequences strictly less urgent than it. True if it stopped only at the end of `level`."""
+        bm = self.block_manager
+        while self.waiting:
+            if (left.tokens <= 0 or left.prefill <= 0) and self.config.policy == "continuous":
+                return False
+            seq = self.waiting[0]
+            if level is not None and seq.params.priority != level:
+                return True
+            if any(seq is v for v in evicted):
+                return False
+            if len(self.running) >= self.config.max_num_seqs:
+                victim = self._victim(less_urgent_than=seq)
+                if victim is None:
+                    return False
+                left.tokens += self._preempt_running(out, victim)
+                evicted.append(victim)
+                continue
+            # prompt logprobs need every prompt position computed: no prefix-cache hit (as vLLM)
+            cached = bm.find_cached_prefix(seq) if seq.params.prompt_logprobs is None else []
+            n = min(seq.num_tokens - len(cached) * bm.block_size, left.tokens)
+            n = min(n, left.prefill) if n > 1 else n
+            while not bm.can_allocate(seq, n, cached) and (victim := self._victim(less_urgent_than=seq)):
+                left.tokens += self._preempt_running(out, victim)
+                evicted.append(victim)
+            if not bm.can_allocate(seq, n, cached):
+                return False  # nobody overtakes the head of the queue
+            left.prefill -= n
+            self.waiting.pop(0)
+            out.num_admitted += 1
+            bm.allocate(seq, n, cached)
+            seq.num_cached_tokens = len(cached) * bm.block_size
+            self.stats.prefix_cache_queries += seq.num_tokens
+            self.stats.prefix_cache_hits += seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+                out.started.append(seq)
+            self.running.append(seq)
+            if n > 0:
+                self._emit(out, seq, n)
+                left.tokens -= n
+        return False
+
+    def _victim(self, less_urgent_than: Sequence | None = None) -> Sequence | None:
+        """The running sequence to preempt. When blocks run out: fcfs's newest, or the priority policy's least
+        urgent (the newest among equals). To make room for the waiting `less_urgent_than` (priority policy only):
+        that sequence if it is strictly less urgent, else None."""
+        if not self.by_priority:
+            return self.running[-1] if less_urgent_than is None else None
+        victim = max(reversed(self.running), key=lambda s: s.params.priority, default=None)
+        if less_urgent_than is not None and (victim is None or
+                                             victim.params.priority <= less_urgent_than.params.priority):
+            return None
+        return victim
 
     def _prefill_time_budget(self) -> int:
         """Prefill tokens that fit in this step's time target next to its decodes (no limit: the token budget)."""
@@ -179,6 +267,23 @@ class Scheduler:
         out.num_new_tokens.append(n)
         out.sample.append(seq.num_computed_tokens + n >= seq.num_tokens)
         self.stats.prompt_tokens_computed += min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
+
+    def _preempt_running(self, out: SchedulerOutput, seq: Sequence) -> int:
+        """Preempt a running sequence, taking back what this step already gave it; returns those tokens."""
+        self.running.remove(seq)
+        out.num_preempted += 1
+        n = 0
+        for i, s in enumerate(out.seqs):
+            if s is seq:
+                n = out.num_new_tokens[i]
+                self.stats.prompt_tokens_computed -= min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
+                del out.seqs[i], out.num_new_tokens[i], out.sample[i]
+                break
+        if any(s is seq for s in out.started):  # admitted in this very step: it has not started after all
+            out.started.remove(seq)
+            seq.first_scheduled_time = None
+        self._preempt(seq)
+        return n
 
     def _preempt(self, seq: Sequence) -> None:
         """Free everything and requeue ahead of the unstarted; it is recomputed (prefix cache permitting)."""

@@ -2,10 +2,12 @@
 (server/serving.py) drives, so chat, completions, SSE, errors and usage are the single server's own code.
 
 A request is tokenized and checked here (the replicas' `InputProcessor`), then dispatched: the router picks a
-replica, which answers first `Admitted` or `Refused` (its own admission, the authority on its queue) and then
-the engine's outputs. What happens on the way, in order:
+replica, which answers first `Admitted` or `Refused` (its own admission, the authority on its queue), then
+`Scheduled` once its engine has given the request tokens (from then on it is never refused for its wait), then the
+engine's outputs. What happens on the way, in order:
   - refused: the next replica is tried (the router ranks the refusers last); when every replica has refused,
-    the client gets our 429 with a Retry-After from the whole fleet's drain rate;
+    the client gets our 429 with a Retry-After from the whole fleet's drain rate (before any replica has
+    measured one: the soonest start a replica estimates from its step-cost model);
   - the replica died before the first output: retried once, elsewhere (nothing was sent to the client: the
     pipeline sends a stream's status line only after the first output);
   - the replica died after it: the stream ends with an error event coded `replica_died` (a non-streamed
@@ -40,6 +42,13 @@ class Admitted:
 
 
 @dataclass(frozen=True, slots=True)
+class Scheduled:
+    """A replica's answer once its engine has given the request tokens: its prefill has begun."""
+
+    replica: str
+
+
+@dataclass(frozen=True, slots=True)
 class Refused:
     """A replica's only answer when its own admission says no (its queue is full or too slow)."""
 
@@ -64,7 +73,7 @@ def published_stats(deployment: str) -> dict[str, Mapping]:
     return STATS_SOURCES.get(deployment, dict)()  # {} until that router registers
 
 
-Item = Admitted | Refused | RequestOutput
+Item = Admitted | Scheduled | Refused | RequestOutput
 Dispatch = Callable[[str, list[int], SamplingParams, RoutingKey], AsyncIterator[Item]]
 
 
@@ -124,6 +133,16 @@ class Fleet(AdmissionRules):
         rate = sum(x.drain_rate for x in self.loads() if x.drain_rate)
         return self.num_waiting / rate if rate else None
 
+    def estimated_wait(self, ahead: int | None = None) -> float | None:
+        """Seconds until `ahead` (default: all) of the requests waiting in the fleet have started, at the sum of the
+        replicas' drain rates; before any replica has measured one, the soonest start any replica estimates for a
+        request of its own (its `estimated_wait`, from its step-cost model), as a retry may go to any (None until
+        some replica has published one)."""
+        rate = sum(x.drain_rate for x in self.loads() if x.drain_rate)
+        if rate:
+            return (self.num_waiting if ahead is None else ahead) / rate
+        estimates = [s["estimated_wait"] for s in self.replica_stats().values() if s.get("estimated_wait") is not None]
+        return min(estimates, default=None)
 
     # ---- admission and submission ----------------------------------------------------------------------
     def reserve(self) -> None:
@@ -167,6 +186,7 @@ class FleetStream:
         self.replica: str | None = None
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._first = asyncio.Event()  # the first output, or the error that ended the request before one
+        self._scheduled = False  # its replica's engine has given it tokens (kept across a retry elsewhere)
         self._error: BaseException | None = None
         self._task = asyncio.get_running_loop().create_task(self._pump(ids, params, key))
 
@@ -178,6 +198,7 @@ class FleetStream:
                 self._error = e
             self._queue.put_nowait(e)
         finally:
+            self._scheduled = True
             self._first.set()
 
     async def _run(self, ids: list[int], params: SamplingParams, key: RoutingKey) -> None:
@@ -191,10 +212,13 @@ class FleetStream:
                     async for item in items:
                         if isinstance(item, Admitted):
                             self.replica = item.replica
+                        elif isinstance(item, Scheduled):
+                            self._scheduled = True
                         elif isinstance(item, Refused):
                             refused = item
                             break
                         else:
+                            self._scheduled = True
                             self._first.set()
                             self._queue.put_nowait(item)
                             if self.fleet.on_outputs is not None:
@@ -234,6 +258,11 @@ class FleetStream:
             self.finished = True
         return item
 
+    @property
+    def scheduled(self) -> bool:
+        """Its replica's engine has given it tokens (or it ended)."""
+        return self._scheduled
+
     async def wait_started(self) -> None:
         """Until the first output; raises what ended the request before one (a refusal: OverloadedError)."""
         await self._first.wait()
@@ -243,6 +272,7 @@ class FleetStream:
     def fail(self, error: BaseException) -> None:
         """End the request with `error` (see Fleet.fail_all)."""
         self.close()
+        self._scheduled = True
         if not self._first.is_set():
             self._error = error
             self._first.set()

@@ -93,6 +93,7 @@ class _Request(BaseModel):
     guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)  # extension (vLLM)
+    priority: int = 0  # extension (vLLM): lower runs first under --scheduling-policy priority; else only 0
 
     @model_validator(mode="before")
     @classmethod

@@ -31,7 +31,7 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server.affinity import RoutingKey
 from pagedserve.server.app import create_app
 from pagedserve.server.config import ReplicaConfig, ServerConfig
-from pagedserve.server.fleet import Admitted, Fleet, Item, Refused, ReplicaLostError, published_stats
+from pagedserve.server.fleet import Admitted, Fleet, Item, Refused, ReplicaLostError, Scheduled, published_stats
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class ReplicaInfo:
     vocab_size: int
     max_model_len: int
     block_size: int
+    scheduling_policy: str  # a non-zero priority is refused at the ingress unless it is "priority"
 
 
 class EngineReplica:
@@ -66,11 +67,13 @@ class EngineReplica:
 
     async def describe(self) -> ReplicaInfo:
         e = self.engine
-        return ReplicaInfo(e.tokenizer, e.model_config.vocab_size, e.max_model_len, e.config.cache.block_size)
+        return ReplicaInfo(e.tokenizer, e.model_config.vocab_size, e.max_model_len, e.config.cache.block_size,
+                           e.config.scheduler.scheduling_policy)
 
     async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
                        key: RoutingKey | None = None) -> AsyncIterator[Item]:
-        """Admitted, then the engine's outputs; or Refused alone. `key` is the router's, unused here."""
+        """Admitted, Scheduled once the engine gives it tokens, then the engine's outputs; or Refused alone. `key`
+        is the router's, unused here."""
         if not self._started:  # the engine thread hands outputs to the loop Ray runs this replica's calls on
             self._started = True
             self.aeng.start(asyncio.get_running_loop())
@@ -82,6 +85,8 @@ class EngineReplica:
             return
         yield Admitted(self.replica_id)
         try:  # a cancelled call (client gone, ingress closed the stream) ends here: close() aborts the request
+            await stream.wait_scheduled()  # also set by the engine's death, which the stream then raises
+            yield Scheduled(self.replica_id)
             async for out in stream:
                 yield out
         finally:
@@ -92,6 +97,7 @@ class EngineReplica:
         return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
                 "num_preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits, "drain_rate": self.aeng.drain_rate(),
+                "estimated_wait": self.aeng.estimated_wait(),
                 "max_waiting_requests": self.aeng.limits.max_waiting_requests}
 
     async def check_health(self) -> None:
@@ -106,6 +112,7 @@ class Ingress:
         self.handle = engine
         self.stream_handle = engine.options(stream=True)
         self.config = config
+        self.fleet: Fleet | None = None  # once the replicas have described themselves
 
     def __serve_build_asgi_app__(self):
         return create_app(self._describe, self.config, start=self._start)
@@ -114,9 +121,11 @@ class Ingress:
         return self.handle.describe.remote().result(timeout_s=DESCRIBE_TIMEOUT_S)
 
     def _start(self, info: ReplicaInfo, config: ServerConfig, on_outputs, loop) -> Fleet:
-        inputs = InputProcessor(info.tokenizer, info.vocab_size, info.max_model_len)
-        return Fleet(inputs, self._dispatch, lambda: published_stats(ENGINE), config.limits, info.block_size,
-                     on_outputs)
+        inputs = InputProcessor(info.tokenizer, info.vocab_size, info.max_model_len,
+                                scheduling_policy=info.scheduling_policy)
+        self.fleet = Fleet(inputs, self._dispatch, lambda: published_stats(ENGINE), config.limits, info.block_size,
+                           on_outputs)
+        return self.fleet
 
     async def _dispatch(self, request_id: str, ids: list[int], params: SamplingParams,
                         key: RoutingKey) -> AsyncIterator[Item]:
@@ -133,7 +142,7 @@ class Ingress:
                 raise ReplicaLostError("replica's engine died") from e
             raise
         except BackPressureError as e:
-            raise OverloadedError("server overloaded: the router's queue is full", 1.0) from e
+            raise OverloadedError("server overloaded: the router's queue is full", self.fleet.retry_after()) from e
         finally:
             response.cancel()
 

@@ -193,7 +193,7 @@ class Endpoint(ABC):
             stop_token_ids=b.stop_token_ids or [], ignore_eos=b.ignore_eos, presence_penalty=b.presence_penalty,
             frequency_penalty=b.frequency_penalty, logprobs=logprobs, cache_salt=salt,
             prompt_logprobs=prompt_logprobs, structured=spec, logit_bias=logit_bias(b),
-            allowed_token_ids=b.allowed_token_ids)
+            allowed_token_ids=b.allowed_token_ids, priority=b.priority)
 
     def text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else " ".join(map(str, token_ids))
@@ -297,20 +297,23 @@ class Serving:
         return streams
 
     async def wait_started(self, aeng: AsyncEngine, streams: list[RequestStream], raw: Request) -> None:
-        """Until every request has its first output, watching for a client that leaves; past max_queue_wait_s
-        the requests are aborted and the client gets 429 + Retry-After, never silence. A stream's status line is
-        sent only after this, so that answer is still possible."""
+        """Until every request has its first output, watching for a client that leaves. A stream's status line is
+        sent only after this, so a refusal is still possible: when none of the requests has been scheduled within
+        max_queue_wait_s they are aborted and the client gets 429 + Retry-After, never silence. Once the scheduler
+        has given one of them tokens, started work is never thrown away: a long prefill (or a preemption) is waited
+        for, however long."""
         bound = aeng.limits.max_queue_wait_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + bound if bound else math.inf
         waiters = [asyncio.ensure_future(s.wait_started()) for s in streams]
         try:
             while pending := [w for w in waiters if not w.done()]:
-                if loop.time() >= deadline:
-                    wait = aeng.expected_wait()  # a retry is welcome once the queue ahead would start in time
-                    raise OverloadedError(f"server overloaded: not started within {bound:g} s (--max-queue-wait-s)",
-                                          aeng.retry_after(None if wait is None else wait - bound), "queue_wait")
-                await asyncio.wait(pending, timeout=max(0, min(self.disconnect_poll_s, deadline - loop.time())),
+                queued = not any(s.scheduled for s in streams)
+                if queued and loop.time() >= deadline:
+                    raise OverloadedError(f"server overloaded: not scheduled within {bound:g} s (--max-queue-wait-s)",
+                                          aeng.retry_after(), "queue_wait")
+                poll = self.disconnect_poll_s
+                await asyncio.wait(pending, timeout=max(0, min(poll, deadline - loop.time())) if queued else poll,
                                    return_when=asyncio.FIRST_COMPLETED)
                 if await raw.is_disconnected():
                     raise APIError(499, "client disconnected", "client_closed_request")

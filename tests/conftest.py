@@ -177,9 +177,11 @@ def pytest_terminal_summary(terminalreporter):
 EOS = 0  # the end-of-sequence token of the scheduler tests' fake vocabulary
 
 
-def drive(scheduler, ops, step, min_prompt: int = 1, steps_to_drain: int = 20_000) -> tuple[list, set]:
+def drive(scheduler, ops, step, min_prompt: int = 1, steps_to_drain: int = 20_000,
+          priority=lambda pick: 0) -> tuple[list, set]:
     """Random interleavings for the scheduler's property tests: apply `ops` ((op, length, max_tokens, pick) with
-    op add / abort / anything else = one `step()`), then step until idle. Asserts what must hold for any
+    op add / abort / anything else = one `step()`; an added request's priority is `priority(pick)`), then step
+    until idle. Asserts what must hold for any
     interleaving: nothing gets stuck, no block leaks, the block manager's books balance, and every request
     not aborted ends by EOS or at exactly max_tokens. Returns (sequences, ids of the aborted ones)."""
     from pagedserve.engine.sequence import Sequence, SequenceStatus
@@ -191,7 +193,7 @@ def drive(scheduler, ops, step, min_prompt: int = 1, steps_to_drain: int = 20_00
         if op == "add":
             length = max(min_prompt, min(length, capacity - max_tokens))  # the engine rejects what can never fit
             q = Sequence(len(seqs), f"r{len(seqs)}", [1 + (pick + i) % 3 for i in range(length)],
-                         SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({EOS}))
+                         SamplingParams(max_tokens=max_tokens, priority=priority(pick)), max_tokens, frozenset({EOS}))
             seqs.append(q)
             scheduler.add(q)
         elif op == "abort" and seqs:

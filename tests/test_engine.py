@@ -168,6 +168,7 @@ def test_profile_step_runs_the_largest_step_without_touching_the_cache(make_engi
     (dict(seed=2**64), "seed"),
     (dict(seed="abc"), "seed"),
     (dict(cache_salt=123), "cache_salt"),
+    (dict(priority=1.5), "priority"),
 ])
 def test_bad_sampling_params(kwargs, param):
     with pytest.raises(InvalidRequestError) as e:
@@ -370,3 +371,61 @@ def test_logprobs_go_out_with_their_text_and_a_stop_cut_drops_them(make_engine, 
     assert sent_text == free["text"][:free["text"].index(stop)]
     assert [x.token_id for x in sent_lps] == free["tokens"][:len(sent_lps)] and len(sent_lps) < 10
     assert len("".join(smollm.tokenizer.decode([x.token_id]) for x in sent_lps[:-1])) < len(sent_text)
+
+
+def test_priority_takes_the_seat_and_the_preempted_request_resumes_intact(make_engine):
+    """--scheduling-policy priority on the real model: an urgent request takes the only seat from a running one,
+    which is recomputed later and ends with exactly the tokens it produces alone; no block leaks."""
+    engine = make_engine(num_blocks=64, max_num_seqs=1, scheduling_policy="priority")
+    engine.add_request("low", "Tell me a story about a dragon", greedy(12), priority=2)
+    first = [out for _ in range(4) for out in engine.step()]  # its prompt and 3 tokens
+    engine.add_request("urgent", "The capital of France is", greedy(4))
+    finished = []
+    results = run_to_completion(engine, lambda e: finished.extend(
+        r for r in ("low", "urgent") if r not in finished and r not in e._requests))
+    assert finished == ["urgent", "low"] and engine.scheduler.stats.num_preemptions == 1
+    low = [t for out in first for t in out.new_token_ids] + results["low"]["tokens"]
+    lps = [x for out in first for x in out.logprobs] + results["low"]["logprobs"]
+    assert len(low) == 12 and results["low"]["finish_reason"] == "length"
+    engine.block_manager.check_integrity([])
+    assert engine.block_manager.num_used_blocks == 0
+    engine.add_request("alone", "Tell me a story about a dragon", greedy(12))
+    alone = run_to_completion(engine)["alone"]
+    record_comparison("priority preemption", low, alone["tokens"], lps)
+
+
+def test_priority_keyword_of_add_request_and_generate(make_engine):
+    """vLLM's keywords: LLMEngine.add_request(priority=...) and LLM.generate(priority=[...]); under fcfs a non-zero
+    priority is refused, naming the field."""
+    from pagedserve.engine import LLM
+
+    with pytest.raises(InvalidRequestError, match="priority") as e:
+        make_engine(num_blocks=64).add_request("p", "Hello", greedy(2), priority=1)
+    assert e.value.param == "priority"
+    llm = LLM(engine=make_engine(num_blocks=64, max_num_seqs=1, scheduling_policy="priority"))
+    params = SamplingParams(max_tokens=2, temperature=0)
+    results = llm.generate(["One", "Two", "Three"], params, priority=[2, 0, 1])
+    order = sorted(range(3), key=lambda i: results[i].metrics.first_scheduled_time)
+    assert order == [1, 2, 0] and params.priority == 0  # the caller's params are not changed
+    with pytest.raises(ValueError, match="one priority per prompt"):
+        llm.generate(["One"], params, priority=[1, 2])
+
+
+def test_estimated_wait_is_built_from_what_the_engine_knows(make_engine):
+    """A Retry-After's estimate before any queue has drained: the prompts ahead at the prefill cost per token (the
+    scheduler's prior while the step-cost model is unfitted), plus, for want of a seat, the running request's
+    remaining max_tokens at the last step's time; a second batch as long as the longest."""
+    from pagedserve.engine.scheduler import DEFAULT_PREFILL_MS_PER_TOKEN
+
+    engine = make_engine(num_blocks=64, max_num_seqs=1)
+    engine.add_request("running", "Tell me a story", greedy(20))
+    engine.step()
+    engine.step()  # its prompt and 2 tokens: 18 left
+    assert engine.cost_model.ms_per_prefill_token() is None and engine.estimated_wait(0) == 0
+    step_s = engine.last_step.ms / 1e3
+    assert engine.estimated_wait(1) == pytest.approx(18 * step_s)
+    n = engine.add_request("queued", "The capital of France is", greedy(4))
+    assert engine.estimated_wait(2) == pytest.approx(n * DEFAULT_PREFILL_MS_PER_TOKEN / 1e3 + 2 * 18 * step_s)
+    engine.abort("running")
+    engine.abort("queued")
+    run_to_completion(engine)

@@ -11,7 +11,7 @@ from pagedserve.engine.async_engine import AdmissionLimits, OverloadedError
 from pagedserve.engine.output_processor import RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server.affinity import PrefixAffinity, ReplicaLoad, RoutingKey, block_chain
-from pagedserve.server.fleet import Admitted, Fleet, Refused, ReplicaLostError
+from pagedserve.server.fleet import Admitted, Fleet, Refused, ReplicaLostError, Scheduled
 from pagedserve.server.serving import Built, Serving
 
 SECRET = b"s" * 32
@@ -93,23 +93,29 @@ def out(rid: str, token: int, finished: bool) -> RequestOutput:
 
 
 class Replicas:
-    """Each call takes the next scripted behaviour: 'refuse', 'die_before', 'die_after', or 'ok'."""
+    """Each call takes the next scripted behaviour: 'refuse', 'die_before', 'die_after', 'ok', or 'long_prefill'
+    (scheduled, then its first output only once `prefilled` is set)."""
 
     def __init__(self, script: list[str], stats: dict | None = None) -> None:
-        self.script, self.calls, self.ids = list(script), [], []
+        self.script, self.calls, self.ids, self.params = list(script), [], [], []
         self.stats = stats if stats is not None else {"r0": {}, "r1": {}}
+        self.prefilled = asyncio.Event()
 
     async def dispatch(self, rid, ids, params, key: RoutingKey):
         what = self.script.pop(0)
         replica = f"r{len(self.calls) % 2}"
         self.calls.append((what, key.avoid))
         self.ids.append(rid)
+        self.params.append(params)
         if what == "refuse":
             yield Refused(replica, "server overloaded: full", "queue_full")
             return
         yield Admitted(replica)
         if what == "die_before":
             raise ReplicaLostError("gone")
+        if what == "long_prefill":
+            yield Scheduled(replica)
+            await self.prefilled.wait()
         yield out(rid, 1, False)
         if what == "die_after":
             raise ReplicaLostError("gone")
@@ -194,3 +200,31 @@ def test_the_request_id_is_the_replicas_and_a_live_one_is_suffixed():
     asyncio.run(main())
     # the refused first call is retried elsewhere under the same id
     assert r.ids == ["client-7-0", "client-7-0", "client-7-1", "client-7-0#2", "client-7-0"]
+
+
+def test_scheduled_reaches_the_stream_before_the_first_output_and_priority_reaches_the_replica():
+    """What the pipeline's --max-queue-wait-s reads: a replica's Scheduled marks the request started while its
+    prefill runs; and the request's params, priority included, arrive at the replica as sent."""
+    r = Replicas(["long_prefill"])
+
+    async def scenario():
+        f = fleet(r)
+        f.reserve()
+        s = f.submit("req", [1, 2, 3], SamplingParams(max_tokens=2, priority=-3))
+        while not s.scheduled:
+            await asyncio.sleep(0)
+        assert not s._first.is_set()  # scheduled, no output yet
+        r.prefilled.set()
+        await s.wait_started()
+        return [o.text async for o in s]
+
+    assert asyncio.run(scenario()) == ["t1", "t2"]
+    assert r.params[0].priority == -3
+
+
+def test_retry_after_before_any_drain_rate_is_the_soonest_replica_estimate():
+    r = Replicas(["refuse", "refuse"], stats={"r0": {"num_waiting": 4, "estimated_wait": 7.2},
+                                              "r1": {"num_waiting": 1, "estimated_wait": 2.1}})
+    texts, err = asyncio.run(run(fleet(r)))
+    assert isinstance(err, OverloadedError) and err.retry_after == 3.0  # a retry may go to r1: ceil(2.1)
+    assert fleet(Replicas([], stats={"r0": {}})).retry_after() == 1.0  # nothing published yet: the floor

@@ -9,18 +9,26 @@ from hypothesis import strategies as st
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import DEFAULT_PREFILL_MS_PER_TOKEN, Scheduler, admission_key
+from pagedserve.engine.scheduler import (
+    DEFAULT_PREFILL_MS_PER_TOKEN,
+    Scheduler,
+    admission_key,
+    priority_admission_key,
+)
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, policy="continuous", prefix=True):
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, policy="continuous", prefix=True,
+         scheduling_policy="fcfs"):
     bm = BlockManager(num_blocks, block_size, prefix)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy), bm)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy,
+                                     scheduling_policy=scheduling_policy), bm)
 
 
-def seq(sid, prompt_len, max_tokens, base=1):
+def seq(sid, prompt_len, max_tokens, base=1, priority=0):
     ids = [base + (sid * 7 + i) % 50 for i in range(prompt_len)]
-    return Sequence(sid, f"r{sid}", ids, SamplingParams(max_tokens=max_tokens), max_tokens, frozenset({EOS}))
+    return Sequence(sid, f"r{sid}", ids, SamplingParams(max_tokens=max_tokens, priority=priority), max_tokens,
+                    frozenset({EOS}))
 
 
 def step(s: Scheduler, token=lambda seq: 1):
@@ -254,3 +262,197 @@ def test_random_interleavings_never_leak(ops, num_blocks, block_size, budget, ma
         return EOS if rng.random() < 0.05 else rng.randint(1, 3)
 
     drive(s, ops, lambda: step(s, token))
+
+
+def test_started_reports_each_request_once_preempted_or_not():
+    """What the async engine's admission hears: a request's first scheduled step, never its restart after a
+    preemption (a request that has started is never refused for its wait)."""
+    s = make(num_blocks=6, block_size=4, budget=64)
+    a, b = seq(0, 8, 12), seq(1, 8, 12, base=60)
+    s.add(a)
+    s.add(b)
+    out = step(s)
+    assert out.started == [a, b]
+    started = []
+    while s.has_unfinished():
+        out = step(s)
+        started += out.started
+    assert b.num_preemptions >= 1 and started == []
+
+
+# ---- the priority policy --------------------------------------------------------------------------------------
+def test_priority_orders_admission_and_equal_priorities_keep_fcfs_order():
+    s = make(max_num_seqs=1, scheduling_policy="priority")
+    burst = [timed_seq(0, 12, 2, 5.0), timed_seq(1, 30, 2, 5.0), timed_seq(2, 5, 2, 5.0), timed_seq(3, 5, 2, 5.0)]
+    for q, p in zip(burst, (1, 0, 2, 0)):
+        q.params.priority = p
+        s.add(q)
+    assert s.waiting == sorted(burst, key=priority_admission_key)
+    while s.has_unfinished():
+        step(s)
+    order = sorted(burst, key=lambda q: q.first_scheduled_time)
+    assert [q.seq_id for q in order] == [3, 1, 0, 2]  # priority 0 first (the shorter prompt first, as fcfs)
+
+
+def test_fcfs_ignores_priority():
+    s = make(max_num_seqs=1)
+    seqs = [seq(i, 4, 2, priority=3 - i) for i in range(4)]
+    for q in seqs:
+        s.add(q)
+    while s.has_unfinished():
+        step(s)
+    assert [q.seq_id for q in sorted(seqs, key=lambda q: q.first_scheduled_time)] == [0, 1, 2, 3]
+
+
+def test_an_urgent_request_preempts_the_least_urgent_for_kv_blocks():
+    # 6 blocks of 4 tokens: two running 8-token prompts take a 3rd block each as they decode, and the urgent
+    # 12-token prompt needs 3
+    s = make(num_blocks=6, block_size=4, scheduling_policy="priority")
+    low, mid = seq(0, 8, 12, priority=5), seq(1, 8, 12, base=60, priority=1)
+    s.add(low)
+    s.add(mid)
+    step(s)
+    urgent = seq(2, 12, 2, base=90, priority=0)
+    s.add(urgent)
+    out = step(s)
+    assert urgent.status is SequenceStatus.RUNNING and urgent in out.seqs
+    assert low.status is SequenceStatus.WAITING and low.num_preemptions == 1 and low not in out.seqs
+    assert mid.status is SequenceStatus.RUNNING and mid.num_preemptions == 0  # older than `low` would not save it
+    assert out.num_preempted == 1 and out.num_admitted == 1 and s.waiting == [low]
+    while s.has_unfinished():
+        step(s)
+    assert all(q.num_output_tokens == q.max_tokens for q in (low, mid, urgent))
+    assert s.block_manager.num_used_blocks == 0
+
+
+def test_an_urgent_request_takes_the_seat_of_the_newest_least_urgent():
+    s = make(max_num_seqs=2, scheduling_policy="priority")
+    a, b = seq(0, 4, 20, priority=3), seq(1, 4, 20, priority=3)
+    s.add(a)
+    s.add(b)
+    step(s)
+    same = seq(2, 4, 2, priority=3)
+    s.add(same)
+    out = step(s)
+    assert out.num_preempted == 0 and same.status is SequenceStatus.WAITING  # equals never preempt each other
+    urgent = seq(3, 4, 2, priority=-1)
+    s.add(urgent)
+    out = step(s)
+    assert out.num_preempted == 1 and b.status is SequenceStatus.WAITING and a.status is SequenceStatus.RUNNING
+    assert urgent.status is SequenceStatus.RUNNING
+    assert s.waiting == [b, same]  # the preempted one resumes before the unstarted of its priority
+
+
+def test_the_least_urgent_gives_back_tokens_it_was_given_this_step():
+    """Blocks run out for a running sequence: the victim is the least urgent even if it came earlier in the running
+    list and was already scheduled in this step; it leaves the step's batch and the token budget gets its share."""
+    s = make(num_blocks=4, block_size=4, budget=64, scheduling_policy="priority")
+    low, high = seq(0, 6, 8, priority=2), seq(1, 7, 8, base=60, priority=0)
+    s.add(low)
+    s.add(high)
+    step(s)  # both prefilled: 2 blocks each, the pool is full
+    step(s)
+    out = s.schedule()  # low decodes first, within its 2 blocks; high needs a 3rd: low makes room
+    assert out.seqs == [high] and out.num_new_tokens == [1] and out.num_preempted == 1
+    assert low.status is SequenceStatus.WAITING and not low.block_table and s.running == [high]
+    s.update(out, [1])
+    s.block_manager.check_integrity(s.running + s.waiting)
+    while s.has_unfinished():
+        step(s)
+    assert low.num_output_tokens == 8 and high.num_output_tokens == 8 and high.num_preemptions == 0
+
+
+def test_a_sequence_preempted_to_make_room_waits_for_the_next_step():
+    """Room made for an urgent request is not handed straight back to the request it was taken from."""
+    s = make(num_blocks=6, block_size=4, budget=16, prefix=False, scheduling_policy="priority")
+    low = seq(0, 12, 4, priority=1)
+    s.add(low)
+    step(s)  # low holds 3 blocks: 3 are left, the urgent 13-token prompt needs 4
+    urgent = seq(1, 13, 2, base=60, priority=0)
+    s.add(urgent)
+    out = s.schedule()
+    assert out.seqs == [urgent] and out.num_new_tokens == [13] and out.num_preempted == 1
+    # 3 tokens of budget and 2 blocks are left, enough for the start of low's recompute: it still waits
+    assert low.status is SequenceStatus.WAITING and s.block_manager.num_free_blocks == 2
+    s.update(out, [1])
+    while s.has_unfinished():
+        step(s)
+    assert low.num_output_tokens == 4 and urgent.num_output_tokens == 2
+
+
+def test_a_less_urgent_running_sequence_gets_the_budget_after_an_urgent_waiting_one():
+    """The token budget goes to the urgent request first: a less urgent prompt being prefilled in chunks does not
+    keep it out of the step."""
+    s = make(budget=16, scheduling_policy="priority")
+    low = seq(0, 40, 2, priority=3)
+    s.add(low)
+    step(s)
+    urgent = seq(1, 6, 2, base=60, priority=1)
+    s.add(urgent)
+    out = s.schedule()
+    assert out.seqs == [urgent, low] and out.num_new_tokens == [6, 10] and out.num_preempted == 0
+
+
+def token_of(q):
+    """A fake model that depends only on the sequence: the same schedule gets the same tokens."""
+    return EOS if (q.seq_id * 31 + q.num_tokens) % 17 == 0 else 1 + (q.seq_id + q.num_tokens) % 3
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["add", "add", "step", "step", "step", "abort"]),
+                         st.integers(1, 40), st.integers(1, 12), st.integers(0, 10**6)), min_size=1, max_size=60)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=OPS, num_blocks=st.integers(12, 40), block_size=st.sampled_from([1, 2, 4, 8]),
+       budget=st.integers(4, 48), max_num_seqs=st.integers(1, 6), prefix=st.booleans(), levels=st.integers(1, 4))
+def test_priority_interleavings_preempt_the_least_urgent_and_never_leak(ops, num_blocks, block_size, budget,
+                                                                       max_num_seqs, prefix, levels):
+    """Random interleavings under the priority policy: every request finishes and every block comes back (`drive`),
+    ref counts match the block tables after every step, admission takes the most urgent first, and whoever is
+    preempted is less urgent than everyone who keeps running (the newest among equals) and than the most urgent
+    request admitted in that step."""
+    s = make(num_blocks, block_size, max_num_seqs, budget, prefix=prefix, scheduling_policy="priority")
+
+    def checked_step():
+        running, waiting = list(s.running), list(s.waiting)
+        out = s.schedule()
+        victims = [q for q in running if q.status is SequenceStatus.WAITING]
+        kept = [q for q in running if q.status is SequenceStatus.RUNNING]
+        assert len(victims) == out.num_preempted
+        for v in victims:
+            assert all((k.params.priority, running.index(k)) < (v.params.priority, running.index(v)) for k in kept)
+            assert v not in out.seqs
+        admitted = [q for q in waiting if q.status is SequenceStatus.RUNNING]
+        left = [q for q in waiting if q.status is SequenceStatus.WAITING]
+        assert all(priority_admission_key(a) <= priority_admission_key(b) for a in admitted for b in left)
+        assert all(min(a.params.priority for a in admitted) < v.params.priority for v in victims if admitted)
+        assert s.waiting == sorted(s.waiting, key=priority_admission_key)
+        s.update(out, [token_of(q) if want else None for q, want in zip(out.seqs, out.sample)])
+        s.block_manager.check_integrity(s.running + s.waiting)
+
+    drive(s, ops, checked_step, priority=lambda pick: pick % levels)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS, num_blocks=st.integers(12, 40), block_size=st.sampled_from([1, 4]), budget=st.integers(4, 48),
+       max_num_seqs=st.integers(1, 6))
+def test_equal_priorities_schedule_exactly_as_fcfs(ops, num_blocks, block_size, budget, max_num_seqs):
+    fcfs = make(num_blocks, block_size, max_num_seqs, budget)
+    prio = make(num_blocks, block_size, max_num_seqs, budget, scheduling_policy="priority")
+    outs = {id(fcfs): [], id(prio): []}
+    for s in (fcfs, prio):  # the same arrival times in both runs, so the same deadlines
+        def add(q, add=s.add):
+            q.arrival_time = q.arrival_time if q.deadline is not None else q.seq_id / 100
+            add(q)
+        s.add = add
+
+    def stepper(s):
+        def run():
+            out = s.schedule()
+            outs[id(s)].append(([q.seq_id for q in out.seqs], out.num_new_tokens, out.num_preempted))
+            s.update(out, [token_of(q) if want else None for q, want in zip(out.seqs, out.sample)])
+        return run
+
+    drive(fcfs, ops, stepper(fcfs), priority=lambda pick: 7)
+    drive(prio, ops, stepper(prio), priority=lambda pick: 7)
+    assert outs[id(fcfs)] == outs[id(prio)]

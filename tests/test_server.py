@@ -574,3 +574,109 @@ def test_usage_reports_cached_tokens_on_every_response(client):
     comp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, stream=True,
                                      stream_options={"include_usage": True})
     assert list(comp)[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def slowed(engine, seconds: float) -> None:
+    """Every forward pass takes at least this long: a slow machine, whatever this one's speed."""
+    run = engine.runner.run
+
+    def slow_run(*args, **kwargs):
+        time.sleep(seconds)
+        return run(*args, **kwargs)
+
+    engine.runner.run = slow_run
+
+
+def test_scheduled_requests_are_never_refused_for_their_wait(make_engine):
+    """--max-queue-wait-s bounds the wait to be scheduled, not the time to the first token: two ~3,000-token prompts
+    scheduled in the same step, each prefill longer than the bound (every step outlasts it), both get 200."""
+    bound = 1.0
+    engine = make_engine(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=4096, max_step_ms=0)
+    slowed(engine, bound + 0.2)
+    step = engine.step
+
+    def step_once_both_queued(*args, **kwargs):  # the first step waits for both: they are scheduled together
+        deadline = time.monotonic() + 60
+        while engine.num_waiting < 2 and not engine.scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return step(*args, **kwargs)
+
+    engine.step = step_once_both_queued
+    prompts = [[1000 + (7 * i + k) % 20000 for k in range(3000)] for i in range(2)]
+    with running_server(engine, AdmissionLimits(max_queue_wait_s=bound)) as (base, state):
+        async def both():
+            async with httpx.AsyncClient(timeout=600) as c:
+                return await asyncio.gather(*[c.post(f"{base}/v1/completions", json={
+                    "prompt": p, "max_tokens": 2, "ignore_eos": True}) for p in prompts])
+
+        results = asyncio.run(both())
+        assert [r.status_code for r in results] == [200, 200], [r.text for r in results]
+        assert all(r.json()["usage"]["prompt_tokens"] == 3000 for r in results)
+        _wait_idle(state)
+
+
+def test_a_request_not_scheduled_within_the_bound_gets_429_with_an_estimated_retry_after(make_engine):
+    """The only seat is taken by a long request: the next one is not scheduled within --max-queue-wait-s and gets a
+    429 whose Retry-After is the engine's estimate (the running request's remaining tokens at the measured step
+    time), not a constant."""
+    engine = make_engine(num_blocks=128, max_num_seqs=1, max_step_ms=0)
+    slowed(engine, 0.2)
+    with running_server(engine, AdmissionLimits(max_queue_wait_s=1)) as (base, state):
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as c:
+                long = asyncio.create_task(_stream(c, base, 60))
+                while not state.engine.num_running:
+                    await asyncio.sleep(0.02)
+                refused = await c.post(f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+                long.cancel()  # its client leaves: aborted
+                await asyncio.gather(long, return_exceptions=True)
+                return refused
+
+        refused = asyncio.run(main())
+        assert refused.status_code == 429, refused.text
+        err = refused.json()["error"]
+        assert err["code"] == "server_overloaded" and "not scheduled within 1 s" in err["message"]
+        retry = int(refused.headers["retry-after"])
+        assert 2 <= retry <= 60 and f"Retry after {retry} s" in err["message"]
+        _wait_idle(state)
+
+
+def test_priority_is_refused_under_fcfs_on_both_routes(server):
+    """vLLM's rule: a non-zero priority without --scheduling-policy priority is a 400 naming the field."""
+    base, _ = server
+    routes = {"chat/completions": {"messages": [{"role": "user", "content": "Hi"}]}, "completions": {"prompt": "Hi"}}
+    for route, body in routes.items():
+        ok = httpx.post(f"{base}/v1/{route}", json={**body, "max_tokens": 2, "priority": 0}, timeout=120)
+        assert ok.status_code == 200, ok.text
+        r = httpx.post(f"{base}/v1/{route}", json={**body, "max_tokens": 2, "priority": 3}, timeout=120)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["type"] == "invalid_request_error" and err["param"] == "priority" and "priority" in err["message"]
+
+
+def test_priority_preempts_and_a_preempted_request_is_never_refused(make_engine):
+    """--scheduling-policy priority, one seat: an urgent request (either route) takes it from one whose prefill has
+    begun; that one waits, preempted, for longer than --max-queue-wait-s, and still gets its 200 (it had started)."""
+    engine = make_engine(num_blocks=128, max_num_seqs=1, max_num_batched_tokens=64, max_step_ms=0,
+                         scheduling_policy="priority")
+    slowed(engine, 0.3)
+    low_prompt = [1000 + k for k in range(640)]  # 10 steps of prefill
+    with running_server(engine, AdmissionLimits(max_queue_wait_s=1)) as (base, state):
+        async def main():
+            async with httpx.AsyncClient(timeout=300) as c:
+                low = asyncio.create_task(c.post(f"{base}/v1/completions", json={
+                    "prompt": low_prompt, "max_tokens": 2, "ignore_eos": True, "priority": 5}))
+                while not state.engine.num_running:
+                    await asyncio.sleep(0.02)
+                urgent = await c.post(f"{base}/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "ignore_eos": True,
+                    "priority": -1})
+                done_first = not low.done()
+                return await low, urgent, done_first
+
+        low, urgent, urgent_first = asyncio.run(main())
+        assert urgent.status_code == 200 and low.status_code == 200, (urgent.text, low.text)
+        assert urgent_first and low.json()["usage"]["completion_tokens"] == 2
+        assert engine.scheduler.stats.num_preemptions >= 1
+        _wait_idle(state)
