@@ -142,7 +142,10 @@ def test_state_needs_a_key_and_shows_each_key_its_own_ids(make_engine):
         assert mine["sequences"][0]["mine"] and mine["sequences"][0]["request_id"].startswith("req-")
         other = theirs["sequences"][0]
         assert not other["mine"] and other["request_id"] is None and "req-" not in str(theirs)
-        assert other["blocks"] == mine["sequences"][0]["blocks"]  # the pool is one memory: its ids are not private
+        # the pool is one memory: its ids are not private. The second view was taken a step or more later, so the
+        # stream may have taken a block since: the first view's table is a prefix of the second's
+        first = mine["sequences"][0]["blocks"]
+        assert other["blocks"][:len(first)] == first and len(other["blocks"]) <= len(first) + 1
         wait_idle(base, "key-a")
         # the page itself is public (it holds no data) and asks for the key
         page = httpx.get(f"{base}/dashboard")
