@@ -28,6 +28,7 @@ serve = pytest.importorskip("ray.serve")
 
 MODEL = "smollm2-ray"
 BOUND_S = 180  # any single request, or a replica's replacement, must be done within this
+DEPLOYED: dict = {}  # the cluster fixture's build_app arguments, for a test that redeploys
 
 
 def free_port() -> int:
@@ -57,6 +58,7 @@ def cluster(smollm):
         config = make_config(model=smollm.path, dtype="float32", quantization="none", device="cpu", num_blocks=256,
                              max_num_seqs=8)  # dense, as make_engine: outputs compare exactly
         server = ServerConfig(MODEL, AdmissionLimits(max_waiting_requests=4), port=port)
+        DEPLOYED.update(config=config, server=server)
         serve.run(build_app(config, server, ReplicaConfig(replicas=2, threads=1, health_check_period_s=1.0)),
                   name="pagedserve", route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"
@@ -123,6 +125,16 @@ def test_errors_keys_and_metrics_are_the_single_servers(cluster, client):
     wait_for(lambda: len(replica_gauges(cluster)) == 2, "both replicas in /metrics")
 
 
+def test_request_ids_pass_through_the_ingress(cluster):
+    """An incoming X-Request-Id comes back as sent through Ray's proxy and our ingress (one header, not two); one is
+    made when none is sent."""
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    r = httpx.post(f"{cluster}/v1/completions", json=body, headers={"X-Request-Id": "lb-1234.abc"}, timeout=BOUND_S)
+    assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["lb-1234.abc"]
+    r = httpx.post(f"{cluster}/v1/completions", json=body, timeout=BOUND_S)
+    assert r.status_code == 200 and len(r.headers.get_list("x-request-id")) == 1 and r.headers["x-request-id"]
+
+
 def test_overload_is_429_with_retry_after_never_5xx(cluster):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 48,
             "temperature": 0, "ignore_eos": True}
@@ -186,3 +198,37 @@ def test_killing_a_replica_mid_load(cluster, client):
     # no leaked blocks on the survivor (nor anywhere): every replica's KV cache is free again when idle
     wait_for(lambda: (g := replica_gauges(cluster)) and len(g) == 2 and all(v == 0 for v in g.values()),
              "every block freed")
+
+
+def test_a_replica_scaled_down_finishes_its_streams(cluster, client):
+    """Ray stops one of two replicas while streams run on both (a scale-down: the same drain as a redeploy or a
+    drained node): it leaves routing first and lets its requests finish (graceful_shutdown_timeout_s is
+    --shutdown-timeout-s), so every stream ends in full with [DONE], and requests sent meanwhile are served.
+    Last in the module: it leaves one replica."""
+    from pagedserve.server.ray_app import build_app
+
+    wait_for(lambda: (g := replica_gauges(cluster)) and len(g) == 2 and all(v == 0 for v in g.values()),
+             "two idle replicas")
+
+    def stream(i: int):
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Tell story {i} about a {['cat', 'ship'][i % 2]}."}],
+            max_tokens=48, temperature=0, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True}))
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        return chunks[-1].usage.completion_tokens, finish
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        streams = [pool.submit(stream, i) for i in range(4)]
+        wait_for(lambda: (g := replica_gauges(cluster, "vllm:num_requests_running")) and len(g) == 2 and
+                 all(v >= 1 for v in g.values()), "streams running on both replicas")
+        serve.run(build_app(DEPLOYED["config"], DEPLOYED["server"],
+                            ReplicaConfig(replicas=1, threads=1, health_check_period_s=1.0)),
+                  name="pagedserve", route_prefix="/", blocking=False)
+        for _ in range(4):  # during the drain: served by the replica that stays
+            assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=4, temperature=0).usage.completion_tokens == 4
+        results = [f.result(timeout=BOUND_S) for f in streams]
+    # no error event (the client would raise): each finished in full
+    assert results == [(48, ["length"])] * 4, results
+    wait_for(lambda: len(engine_replica_actors()) == 1, "the scaled-down replica gone")
