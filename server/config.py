@@ -32,6 +32,9 @@ class ServerConfig:
     max_connections: int | None = opt(1024, "open connections at most: idle ones are closed to make room for new "
                                             "ones; past it with every connection busy, a new one gets 503",
                                     bound=">= 1")
+    max_output_tokens: int | None = opt(None, "most tokens one request may generate: a larger max_tokens gets 400, "
+                                              "and a chat request without one gets this many at most (default: "
+                                              "no limit but the context)", bound=">= 1")
     disconnect_poll_s: float = 0.1
 
     def __post_init__(self) -> None:

@@ -37,10 +37,9 @@ class ToolChoice:
 
 
 def resolve_tool_choice(tools: list[dict] | None, tool_choice: Any) -> ToolChoice:
-    """Validate tools / tool_choice as OpenAI does; 400 (InvalidRequestError) on a mismatch."""
+    """Validate tools / tool_choice as OpenAI does; 400 (InvalidRequestError) on a mismatch. Two tools may share a
+    name, as vLLM allows (no JSON schema could state the rule): a call may then follow either's parameters."""
     names = [t["function"]["name"] for t in tools or []]
-    if len(set(names)) != len(names):
-        raise InvalidRequestError("tool function names must be unique", "tools")
     if tool_choice is None:
         return ToolChoice("auto" if tools else "none")
     if isinstance(tool_choice, str):
