@@ -35,7 +35,7 @@ class RequestRecord:
     status: int | None = None           # final HTTP status; None when no response came back
     error: str = ""
     num_429: int = 0                    # 429 responses seen, retries included
-    cancelled: bool = False             # still outstanding when --max-duration ran out
+    cancelled: bool = False             # still outstanding when --max-duration ran out: its own outcome
 
     @property
     def first_token_time(self) -> float | None:
@@ -43,8 +43,15 @@ class RequestRecord:
 
     @property
     def rejected(self) -> bool:
-        """Turned away by admission control (HTTP 429): a counted outcome, not a failure of the bench."""
-        return not self.ok and self.status == 429
+        """Turned away by admission control (HTTP 429): a counted outcome, not a failure of the bench. One
+        cancelled while it waited to retry a 429 counts as cancelled."""
+        return not self.ok and self.status == 429 and not self.cancelled
+
+    @property
+    def failed(self) -> bool:
+        """Neither served, nor turned away (429), nor cancelled by the bench at --max-duration: the server failed
+        it (an HTTP error, an error event, a broken stream or connection)."""
+        return not self.ok and not self.rejected and not self.cancelled
 
     @property
     def ttft(self) -> float | None:
@@ -156,10 +163,10 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float,
     out: dict[str, Any] = {
         "num_requests": len(records),
         "completed": len(good),
-        "failed": len(records) - len(good) - len(rejected),
+        "failed": sum(r.failed for r in records),
         "rejected_429": len(rejected),
         "http_429_responses": sum(r.num_429 for r in records),
-        "cancelled": sum(r.cancelled for r in records),
+        "cancelled": sum(r.cancelled and not r.ok for r in records),  # outcomes: completed, failed, 429, cancelled
         "duration": duration,
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
@@ -230,8 +237,7 @@ def format_table(m: dict[str, Any], header: Sequence[tuple[str, Any]] = ()) -> s
     row("Rejected requests (HTTP 429):", m["rejected_429"])
     if m["http_429_responses"] != m["rejected_429"]:
         row("HTTP 429 responses (incl. retried):", m["http_429_responses"])
-    if m["cancelled"]:
-        row("Cancelled at --max-duration:", m["cancelled"])
+    row("Cancelled requests (--max-duration):", m["cancelled"])
     row("Benchmark duration (s):", m["duration"])
     row("Total input tokens:", m["total_input_tokens"])
     row("Total generated tokens:", m["total_output_tokens"])

@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one run per request rate, e.g. 1,2,4,inf")
     t.add_argument("--max-duration", type=float, default=600.0,
                    help="seconds per run (default %(default)g); outstanding requests are then cancelled "
-                        "and count as failed")
+                        "(counted as cancelled, not failed)")
     t.add_argument("--num-warmups", type=int, default=1, help="untimed requests sent first (default 1)")
     t.add_argument("--retry-429", action="store_true",
                    help="retry a 429 after its Retry-After (<= 60 s) instead of counting it as a rejection")
@@ -478,7 +478,7 @@ def format_sweep(points: list[dict[str, Any]], param: str, knee: int | None, bes
     label = "conc" if param == "max_concurrency" else "rate"
     goodput = points[0]["request_goodput"] is not None
     cols = [label, "req/s", "out tok/s", "p50 TTFT", "p99 TTFT", "p50 TPOT", "p99 TPOT"]
-    cols += (["goodput"] if goodput else []) + ["ok", "failed", "429"]
+    cols += (["goodput"] if goodput else []) + ["ok", "failed", "429", "cancelled"]
     lines = ["{s:{c}^{n}}".format(s=f" Sweep over {param} (latencies in ms) ", n=100, c="="),
              "   " + "".join(f"{c:>11}" for c in cols)]
     for i, p in enumerate(points):
@@ -487,7 +487,7 @@ def format_sweep(points: list[dict[str, Any]], param: str, knee: int | None, bes
                 f"{p['output_throughput']:.1f}", _fmt_ms(p["median_ttft_ms"]), _fmt_ms(p["p99_ttft_ms"]),
                 _fmt_ms(p["median_tpot_ms"]), _fmt_ms(p["p99_tpot_ms"])]
         vals += ([f"{p['request_goodput']:.2f}"] if goodput else [])
-        vals += [str(p["completed"]), str(p["failed"]), str(p["rejected_429"])]
+        vals += [str(p["completed"]), str(p["failed"]), str(p["rejected_429"]), str(p["cancelled"])]
         lines.append(f" {mark}" + "".join(f"{v:>11}" for v in vals))
     if knee is not None:
         lines.append(f"* knee: {label} {points[knee][param]} — {KNEE_RULE}")

@@ -23,6 +23,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.engine.async_engine import AdmissionRules, AsyncEngine, EngineDeadError, ShuttingDownError
+from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.connections import protocol_class
@@ -37,6 +38,7 @@ from pagedserve.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    document_limits,
     error_body,
     now,
 )
@@ -52,7 +54,11 @@ __all__ = ["ServerConfig", "create_app", "uvicorn_config"]
 
 # The status codes each route answers with, as the OpenAPI document states them (every one in OpenAI's error shape)
 ERRORS = {
-    400: "Invalid request: the error's `param` names the field (also a prompt over the context length)",
+    400: "Invalid request: the error's `param` names the field. Besides what this document states, a request is "
+         "refused for what no JSON schema can state: a prompt over the context length, or one that tokenizes to "
+         "nothing; a regex, grammar or JSON schema (guided_*, response_format, the parameters of tools that must be "
+         "called) that the grammar engine cannot compile; a named tool_choice that is not among `tools`; more "
+         "sequences (prompts x n) than may wait at once (--max-waiting-requests)",
     401: "Missing or wrong API key (when the server has keys)",
     404: "Unknown model",
     408: "The request body did not arrive within --body-timeout-s",
@@ -73,6 +79,11 @@ _RETRY_AFTER = {"Retry-After": {"description": "whole seconds to wait before ret
                 "retry-after-ms": {"description": "the same, in milliseconds", "schema": {"type": "integer"}}}
 
 
+# One server-sent event (OpenAPI 3.1: a sequential media type's schema is an item's), as an SSE parser reads it
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "a chunk's JSON, an error's JSON (in OpenAI's shape), or [DONE] (the last)"}}}
+
+
 def _errors(*codes: int) -> dict[int, dict[str, Any]]:
     return {c: {"model": ErrorResponse, "description": ERRORS[c], **({"headers": _RETRY_AFTER} if c == 429 else {})}
             for c in codes}
@@ -81,7 +92,7 @@ def _errors(*codes: int) -> dict[int, dict[str, Any]]:
 def _generation(model: type[BaseModel]) -> dict[int, dict[str, Any]]:
     return {200: {"description": f"A {model.__name__}; with `stream: true`, server-sent events (`data: <chunk "
                                  "JSON>`, then `data: [DONE]`)",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                  "content": {"text/event-stream": {"schema": SSE_EVENT}}},
             **_errors(400, 401, 404, 408, 413, 429, 503)}
 
 
@@ -89,9 +100,13 @@ class Health(BaseModel):
     status: str = "ok"
 
 
-def openapi_document(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's document without the 422 it adds to routes with a body: validation errors here are 400s."""
+def openapi_document(app: FastAPI, vocab_size: int | None = None, max_output_tokens: int | None = None,
+                     priorities: bool | None = None) -> dict[str, Any]:
+    """FastAPI's document without the 422 it adds to routes with a body: validation errors here are 400s. With the
+    model's vocabulary size (once loaded), --max-output-tokens and whether priorities are scheduled (not: only
+    priority 0 is accepted), it states those limits too."""
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    document_limits(doc, vocab_size, max_output_tokens, priorities)
     for path in doc.get("paths", {}).values():
         for op in path.values():
             op.get("responses", {}).pop("422", None)
@@ -115,6 +130,11 @@ class ServerState:
         """Each step's outputs, on the event loop."""
         self.metrics.observe(outputs)
         self.live.observe(outputs)
+
+    def inputs(self) -> InputProcessor | None:
+        """What checks requests for the loaded model (the engine's or, with replicas, the ingress's), else None."""
+        engine = getattr(self.engine, "engine", None)
+        return getattr(engine, "inputs", engine)
 
     def stats(self) -> EngineStats | dict[str, EngineStats] | None:
         if self.engine is None or not self.engine.alive:  # a dead engine's gauges would be stale
@@ -180,7 +200,7 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
     state = ServerState(config)
     tracing = tracing or tracing_from(config.otlp_traces_endpoint)
     serving = Serving(state.admitting_engine, config.served_model_name, config.prefix_cache_per_key,
-                      config.disconnect_poll_s)
+                      config.disconnect_poll_s, config.max_output_tokens)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -213,7 +233,14 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
                          "/v1/completions, /v1/models; /health (liveness), /ready (readiness), /metrics; "
                          "/v1/engine/state (the live view's data); a chat page and a live view of the "
                          "engine at / and /dashboard.")
-    app.openapi = functools.cache(functools.partial(openapi_document, app))
+    document = functools.cache(functools.partial(openapi_document, app, max_output_tokens=config.max_output_tokens))
+
+    def openapi() -> dict[str, Any]:  # built again once, when the model has loaded
+        inputs = state.inputs()
+        return document(vocab_size=getattr(inputs, "vocab_size", None),
+                        priorities=None if inputs is None else inputs.scheduling_policy == "priority")
+
+    app.openapi = openapi
     app.state.pagedserve = state
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
     app.add_middleware(ApiKeyAuth, keys=config.api_keys())  # before the body guard: no body is read for a bad key

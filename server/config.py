@@ -38,6 +38,9 @@ class ServerConfig:
                                           "(streams) or a 503 (a second signal stops at once)", bound=">= 0")
     otlp_traces_endpoint: str | None = opt(None, "send an OpenTelemetry span per request (OTLP over HTTP) to this "
                                                  "collector, e.g. http://127.0.0.1:4318 (needs pagedserve[otel])")
+    max_output_tokens: int | None = opt(None, "most tokens one request may generate: a larger max_tokens gets 400, "
+                                              "and a chat request without one gets this many at most (default: "
+                                              "no limit but the context)", bound=">= 1")
     disconnect_poll_s: float = 0.1
 
     def __post_init__(self) -> None:

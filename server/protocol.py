@@ -1,4 +1,10 @@
-"""OpenAI request and response shapes (the subset pagedserve serves), as pydantic models."""
+"""OpenAI request and response shapes (the subset pagedserve serves), as pydantic models.
+
+The request models are the OpenAPI document's truth: what they accept is what the document states, JSON types
+included (`"n": "2"` and `"stream": 1` are refused, as OpenAI refuses them; `2.0` is an integer, as JSON Schema
+says). Rules between fields are stated with JSON Schema's `if`/`then` and `not` (`RULES` below); the few that no
+schema can state (a grammar that must compile, a named tool that must be among `tools`, a prompt that must fit the
+context) are listed in the 400's description of the document (server/app.py)."""
 
 from __future__ import annotations
 
@@ -7,28 +13,165 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from pagedserve.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
-TokenId = Annotated[int, Field(ge=0)]  # and below the vocabulary's size, which the engine checks (400)
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer: 2.0 is one (a number with no fraction), `true` and `"2"` are not."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(**constraints: Any) -> Any:  # noqa: N802 - a type
+    """An integer field (pydantic Field arguments: ge, le, ...), as JSON Schema's `integer` reads JSON."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
+
+
+# The document adds `maximum: vocabulary size - 1` where this marker is, once the model is loaded (the engine refuses
+# ids outside the vocabulary with a 400); a logit_bias key the same as a pattern.
+TOKEN_ID, TOKEN_KEY = "x-pagedserve-token-id", "x-pagedserve-token-key"
+OUTPUT_TOKENS = "x-pagedserve-output-tokens"  # `maximum`: the server's --max-output-tokens, when it has one
+PRIORITY = "x-pagedserve-priority"  # `enum: [0]` unless the server schedules by priority
+TokenId = Int(ge=0, json_schema_extra={TOKEN_ID: True})
 Text = Annotated[str, Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+TOKEN_KEY_PATTERN = r"^(?:0|[1-9][0-9]*)$"  # a token id as a JSON object key: decimal, no sign, no leading zero
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]  # as OpenAI
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=TOKEN_KEY_PATTERN)], Bias], WithJsonSchema({
+    "type": "object", "propertyNames": {"pattern": TOKEN_KEY_PATTERN, TOKEN_KEY: True},
+    "additionalProperties": {"type": "number", "minimum": -100.0, "maximum": 100.0}})]
+# The output constraints a request may give one of (server/structured.py); response_format counts unless "text"
+CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 # OpenAI request fields that change what a response means but that pagedserve does not implement. Each is
-# refused with a 400 naming it, unless its value is inert (the predicate on the value and the whole body).
-# Implementing one of them = declaring it as a field below and deleting its entry here.
+# refused with a 400 naming it, unless its value is inert (the predicate on the value and the whole body; the
+# document states the inert values). Implementing one = declaring it as a field below and deleting its entry here.
+FALSY = [None, False, 0, "", [], {}]  # Python's `not value` for a JSON value
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "functions": lambda v, body: not v,
     "function_call": lambda v, body: v in (None, "none"),
     "suffix": lambda v, body: not v,
-    "best_of": lambda v, body: v is None or v == body.get("n", 1),
+    "best_of": lambda v, body: v is None or (type(v) in (int, float) and v == 1),  # 1: no search, as served
     "audio": lambda v, body: v is None,
     "modalities": lambda v, body: v is None or v == ["text"],
     "prediction": lambda v, body: v is None,
     "web_search_options": lambda v, body: v is None,
 }
+INERT: dict[str, list[Any]] = {"functions": FALSY, "function_call": [None, "none"], "suffix": FALSY,
+                               "best_of": [None, 1], "audio": [None], "modalities": [None, ["text"]],
+                               "prediction": [None], "web_search_options": [None]}  # the values each predicate passes
 
+
+def _unused(name: str) -> dict[str, Any]:
+    """An output constraint's value that asks for nothing: null (or absent); a response_format of type "text"."""
+    if name == "response_format":
+        return {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}}]}
+    return {"type": "null"}
+
+
+def _given(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"required": [name], "properties": {name: schema}}
+
+
+# Rules between fields, as JSON Schema states them; each is enforced where the comment says.
+RULES: dict[str, list[dict[str, Any]]] = {
+    "_Request": [
+        # server/structured.py: at most one output constraint, i.e. all but one unused (no `not`: a fuzzer's
+        # generator would expand its complement into every combination)
+        {"anyOf": [{"properties": {other: _unused(other) for other in CONSTRAINTS if other != one}}
+                   for one in CONSTRAINTS]},
+    ],
+    "ChatCompletionRequest": [
+        # _top_logprobs: as vLLM, top_logprobs above 0 needs logprobs
+        {"if": _given("top_logprobs", {"type": "integer", "minimum": 1}), "then": _given("logprobs", {"const": True})},
+        # server/tools.py: a tool_choice other than "none" needs tools
+        {"if": _given("tool_choice", {"not": {"enum": ["none", None]}}),
+         "then": _given("tools", {"type": "array", "minItems": 1})},
+    ],
+    "CompletionRequest": [
+        # SamplingParams: 0 tokens only to score the prompt (echo + logprobs)
+        {"if": _given("max_tokens", {"const": 0}),
+         "then": {"required": ["echo", "logprobs"], "properties": {"echo": {"const": True},
+                                                                   "logprobs": {"type": "integer"}}}},
+    ],
+    "ResponseFormat": [
+        # server/structured.py: type json_schema needs its json_schema
+        {"if": _given("type", {"const": "json_schema"}),
+         "then": _given("json_schema", {"type": "object"})},
+    ],
+}
+
+
+def _document(schema: dict[str, Any], model: type) -> None:
+    """The model's JSON schema, with its rules between fields (and a request's unsupported fields)."""
+    rules = [rule for cls in model.__mro__ for rule in RULES.get(cls.__name__, [])]
+    if rules:
+        schema["allOf"] = rules
+    if issubclass(model, _Request):
+        schema["properties"].update({name: {"enum": values, "description": "not supported by pagedserve: only "
+                                            "this value is accepted"} for name, values in INERT.items()})
+
+
+class _Strict(BaseModel):
+    """A request object: JSON types as the document states them; unknown fields are ignored, as vLLM does."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_document)
+
+
+def below(n: int) -> str:
+    """A regex of the decimal numbers 0 ... n - 1 (no sign, no leading zero), anchored: JSON Schema has no numeric
+    range for an object's keys, so logit_bias's token ids get one as a pattern."""
+    top = str(n - 1)
+    if len(top) == 1:
+        return f"^[0-{top}]$"
+    alts = ["0", "[1-9]" + (f"[0-9]{{0,{len(top) - 2}}}" if len(top) > 2 else "")]  # fewer digits than top
+    for i, digit in enumerate(top):  # as many digits: top's first i digits, then a smaller digit, then any
+        low, high = (1 if i == 0 else 0), int(digit) - 1
+        if high >= low:
+            rest = len(top) - i - 1
+            tail = "" if not rest else "[0-9]" if rest == 1 else f"[0-9]{{{rest}}}"
+            alts.append(top[:i] + (f"[{low}-{high}]" if high > low else str(low)) + tail)
+    alts.append(top)
+    return f"^(?:{'|'.join(alts)})$"
+
+
+def document_limits(doc: Any, vocab_size: int | None, max_output_tokens: int | None,
+                    priorities: bool | None = None) -> None:
+    """Write the served model's and server's own limits into the OpenAPI document where the models marked them.
+    An integer's bounds are written as integers: FastAPI's document has them as floats, and a fuzzer comparing in
+    floats reads 2**64 + 382 as within `exclusiveMaximum: 2**64` (seed's)."""
+    stack = [doc]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack += node
+            continue
+        if not isinstance(node, dict):
+            continue
+        if node.get("type") == "integer":
+            for bound in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                if isinstance(node.get(bound), float) and node[bound].is_integer():
+                    node[bound] = int(node[bound])
+        if node.pop(TOKEN_ID, None) and vocab_size is not None:
+            node["maximum"] = vocab_size - 1
+        if node.pop(TOKEN_KEY, None) and vocab_size is not None:
+            node["pattern"] = below(vocab_size)
+        if node.pop(OUTPUT_TOKENS, None) and max_output_tokens is not None:
+            node["maximum"] = max_output_tokens
+        if node.pop(PRIORITY, None) and priorities is False:
+            node["enum"] = [0]
+        stack += node.values()
 
 SURROGATE = re.compile("[\ud800-\udfff]")  # a lone UTF-16 surrogate: a string that is not valid Unicode
 
@@ -48,11 +191,11 @@ def _has_surrogate(value: Any) -> bool:
     return False
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(_Strict):
     model_config = ConfigDict(populate_by_name=True)
 
     name: str = "response"
@@ -61,23 +204,21 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # like vLLM: unknown fields are ignored, not an error
-
+class _Request(_Strict):
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)  # 0: completions with echo + logprobs only
+    max_tokens: Int(ge=0, json_schema_extra={OUTPUT_TOKENS: True}) | None = None  # 0: see RULES
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # extension
-    n: int = Field(default=1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None  # extension
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    top_k: Int(ge=-1) | None = None  # extension
+    n: Int(ge=1, le=16) = 1
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[Int(ge=0)] | None = None  # extension; one outside the vocabulary never stops
+    seed: Int(ge=-(2**63), lt=2**64) | None = None  # lt: 2**64 is exact in the document's floats
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -89,11 +230,13 @@ class _Request(BaseModel):
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)  # extension (vLLM)
-    priority: int = 0  # extension (vLLM): lower runs first under --scheduling-policy priority; else only 0
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: Annotated[str, Field(json_schema_extra={"format": "grammar"})] | None = Field(
+        default=None, description="Lark or GBNF, as llguidance reads them")
+    logit_bias: LogitBias | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # extension (vLLM)
+    # extension (vLLM): lower runs first under --scheduling-policy priority; else only 0 (the document says which)
+    priority: Int(json_schema_extra={PRIORITY: True}) = 0
 
     @model_validator(mode="before")
     @classmethod
@@ -114,36 +257,38 @@ class _Request(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> list[str] | None:
-        if v is None:
-            return None
-        v = [v] if isinstance(v, str) else v
-        if len(v) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(v)}")
-        if any(not s for s in v):
-            raise ValueError("stop sequences must be non-empty")
-        if any(len(s) > MAX_STOP_STRING_CHARS for s in v):
-            raise ValueError(f"stop sequences may be at most {MAX_STOP_STRING_CHARS} characters long")
-        return v
+        return [v] if isinstance(v, str) else v
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(_Strict):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ChatTool(BaseModel):
+class ChatTool(_Strict):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class CalledFunction(BaseModel):
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """tool_choice naming the function to call (one of `tools`)."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(_Strict):
     name: str
     arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text
 
 
-class CalledTool(BaseModel):
+class CalledTool(_Strict):
     """A past tool call in an assistant message."""
 
     id: str | None = None
@@ -151,9 +296,16 @@ class CalledTool(BaseModel):
     function: CalledFunction
 
 
-class ChatMessage(BaseModel):
+class TextPart(_Strict):
+    """A content part: only text ones are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[CalledTool] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # role "tool": which call this answers
@@ -164,32 +316,31 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in self.content):
-            raise ValueError("only text content parts are supported")
-        return "".join(part["text"] for part in self.content)
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int(ge=1, json_schema_extra={OUTPUT_TOKENS: True}) | None = None
+    max_completion_tokens: Int(ge=1, json_schema_extra={OUTPUT_TOKENS: True}) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Int(ge=0, le=20) | None = None
     tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and not info.data.get("logprobs"):  # as OpenAI and vLLM
+        if v and not info.data.get("logprobs"):  # as vLLM (0 asks for nothing more)
             raise ValueError("top_logprobs needs logprobs: true")
         return v
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_Request):
     prompt: Text | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[Text], Field(min_length=1)] | \
         Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: Int(ge=0, le=5) | None = None
     echo: bool = False
 
     def prompts(self) -> list[str | list[int]]:

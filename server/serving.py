@@ -150,6 +150,7 @@ class Endpoint(ABC):
     response_cls: type  # the model of its response
     chunk_cls: type  # the model of its streamed chunks
     id_prefix: str  # of the response's id
+    max_output_tokens: int | None = None  # the server's cap on a request's max_tokens (--max-output-tokens)
 
     def __init__(self, body, model_name: str) -> None:
         self.body, self.model_name = body, model_name
@@ -198,6 +199,17 @@ class Endpoint(ABC):
     def text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else " ".join(map(str, token_ids))
 
+    def output_tokens(self, asked: int | None, param: str, default: int | None) -> int | None:
+        """max_tokens as asked, within --max-output-tokens (more is a 400); unasked, `default` (None: the context's
+        room) within it."""
+        cap = self.max_output_tokens
+        if cap is not None and asked is not None and asked > cap:
+            raise InvalidRequestError(f"{param} is {asked}, more than the {cap} tokens this server generates per "
+                                      "request (--max-output-tokens)", param)
+        if asked is not None or cap is None:
+            return default if asked is None else asked
+        return cap if default is None else min(cap, default)
+
 
 @dataclass
 class Serving:
@@ -207,11 +219,13 @@ class Serving:
     model_name: str
     prefix_cache_per_key: bool
     disconnect_poll_s: float
+    max_output_tokens: int | None = None
 
     async def generate(self, endpoint_cls: type[Endpoint], body, raw: Request):
         """The response model, or an async iterator of chunks (JSON strings, then "[DONE]") to stream. The engine's
         refusals become API errors here; once a stream has begun, `stream` reports them as events."""
         endpoint = endpoint_cls(body, self.model_name)
+        endpoint.max_output_tokens = self.max_output_tokens
         record = request_record(raw)  # the X-Request-Id names it; its log line and span report what it did
         record.response_id = endpoint.id
         try:
@@ -423,7 +437,8 @@ class ChatEndpoint(Endpoint):
     def build(self, engine, salt: str | None) -> Built:
         b = self.body
         tools = [t.model_dump(exclude_none=True) for t in b.tools or []]
-        choice = resolve_tool_choice(tools, b.tool_choice)
+        choice = resolve_tool_choice(tools, b.tool_choice if isinstance(b.tool_choice, str | None) else
+                                     b.tool_choice.model_dump())
         messages = [m.model_dump(exclude_none=True, include={"role", "name", "tool_calls", "tool_call_id"})
                     | {"content": m.text()} for m in b.messages]
         engine.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
@@ -431,7 +446,10 @@ class ChatEndpoint(Endpoint):
         ids = engine.encode_chat(messages, tools=template_tools)
         spec = tool_grammar(tools, choice, b.parallel_tool_calls) or structured_spec(b)
         lp = (b.top_logprobs or 0) if b.logprobs else None
-        max_tokens = b.max_completion_tokens or b.max_tokens
+        room = engine.max_model_len - len(ids)  # unasked, a cap stops at the context's end
+        self.output_tokens(b.max_tokens, "max_tokens", None)  # both within the cap, though one is used
+        max_tokens = self.output_tokens(b.max_completion_tokens or b.max_tokens, "max_completion_tokens" if
+                                        b.max_completion_tokens else "max_tokens", room if room > 0 else None)
         jobs = [(ids, self.params(max_tokens, lp, i, salt, spec)) for i in range(b.n)]
         return Built(jobs, len(ids), tools_on=choice.mode != "none")
 
@@ -494,7 +512,7 @@ class CompletionEndpoint(Endpoint):
             if isinstance(p, str):
                 engine.check_prompt_chars(len(p), "prompt")
         jobs, total = [], 0
-        max_tokens = 16 if b.max_tokens is None else b.max_tokens
+        max_tokens = self.output_tokens(b.max_tokens, "max_tokens", 16)
         for p in prompts:
             ids = engine.tokenize(p) if isinstance(p, str) else p
             total += len(ids)

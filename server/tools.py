@@ -37,10 +37,9 @@ class ToolChoice:
 
 
 def resolve_tool_choice(tools: list[dict] | None, tool_choice: Any) -> ToolChoice:
-    """Validate tools / tool_choice as OpenAI does; 400 (InvalidRequestError) on a mismatch."""
+    """Validate tools / tool_choice as OpenAI does; 400 (InvalidRequestError) on a mismatch. Two tools may share a
+    name, as vLLM allows (no JSON schema could state the rule): a call may then follow either's parameters."""
     names = [t["function"]["name"] for t in tools or []]
-    if len(set(names)) != len(names):
-        raise InvalidRequestError("tool function names must be unique", "tools")
     if tool_choice is None:
         return ToolChoice("auto" if tools else "none")
     if isinstance(tool_choice, str):
@@ -100,9 +99,51 @@ def _call_json(call: dict) -> dict:
     return {"name": fn.get("name"), "arguments": args}
 
 
+# Keywords whose value is a subschema or a list of them, for another instance (a property, an item) or for the
+# same one (a branch); and those whose value maps names to subschemas
+_OTHER = ("additionalProperties", "items", "prefixItems", "additionalItems", "unevaluatedItems")
+_BRANCHES = ("anyOf", "oneOf", "allOf", "then", "else")
+_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema: Any, partial: bool = False) -> Any:
+    """`schema` with every object that does not say whether it takes more properties closed to them
+    (`additionalProperties: false`), as xgrammar (vLLM's default) generates tool calls: JSON Schema's default lets an
+    object have any property, which lets a small model invent arguments the function never declared. An object
+    that says so keeps what it allows (`additionalProperties: true` or a schema; `unevaluatedProperties`).
+
+    A `partial` schema describes only part of its object (a branch of allOf, then / else, a dependent schema, or of
+    an anyOf / oneOf beside the object's own properties): it stays open, or it would refuse the other parts'
+    properties; so does an object made of such parts. `not`, `if`, `contains` and `propertyNames` are left as
+    they are."""
+    if isinstance(schema, list):
+        return [closed(s, partial) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    own = "properties" in out or "patternProperties" in out
+    for key in _OTHER:
+        if key in out:
+            out[key] = closed(out[key])
+    for key in _BRANCHES:
+        if key in out:
+            out[key] = closed(out[key], partial=own or key not in ("anyOf", "oneOf"))
+    for key in _MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub, partial=key == "dependentSchemas") for name, sub in out[key].items()}
+    types = out.get("type")
+    is_object = own or types == "object" or (isinstance(types, list) and "object" in types)
+    composed = any(key in out for key in (*_BRANCHES, "dependentSchemas"))
+    if is_object and not (partial or composed) and "additionalProperties" not in out and \
+            "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def tool_grammar(tools: list[dict], choice: ToolChoice, parallel: bool) -> StructuredSpec | None:
     """A Lark grammar forcing one (or, with parallel_tool_calls, one or more) calls to the allowed
-    functions with schema-valid arguments; None for auto / none."""
+    functions with schema-valid arguments; None for auto / none. Arguments have only the properties their function
+    declares, unless its schema allows more (`closed`)."""
     if choice.mode not in ("required", "named"):
         return None
     variants = []
@@ -110,7 +151,7 @@ def tool_grammar(tools: list[dict], choice: ToolChoice, parallel: bool) -> Struc
         fn = t["function"]
         if choice.mode == "named" and fn["name"] != choice.name:
             continue
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        params = closed(fn.get("parameters") or {"type": "object", "properties": {}})
         variants.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
                          "required": ["name", "arguments"], "additionalProperties": False})
     schema = {"anyOf": variants, "x-guidance": {**JSON_STYLE, "lenient": True}}

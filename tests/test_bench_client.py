@@ -256,12 +256,16 @@ def test_warmup_failure_is_a_clear_error(server: tuple[str, FakeState], capsys: 
     assert "warm-up request" in capsys.readouterr().err
 
 
-def test_max_duration_cancels_outstanding(server: tuple[str, FakeState]) -> None:
+def test_max_duration_cancels_outstanding(server: tuple[str, FakeState], capsys: Any) -> None:
     url, _ = server
     res = bench(url, "--model", "fake-slow", "--num-warmups", "0", "--num-prompts", "4", "--max-concurrency",
                 "2", "--max-duration", "0.5")
-    # the fake never finishes a stream: returning at all means the cap cancelled them
-    assert res["completed"] == 0 and res["failed"] == 4 and res["cancelled"] == 4
+    # the fake never finishes a stream: returning at all means the cap cancelled them; cancelled, not failed
+    assert (res["completed"], res["failed"], res["rejected_429"], res["cancelled"]) == (0, 0, 0, 4)
+    assert all(r["cancelled"] and not r["ok"] for r in res["requests"])
+    table = capsys.readouterr().out.splitlines()
+    assert "Failed requests:                         0" in table
+    assert "Cancelled requests (--max-duration):     4" in table
     assert sum(r["send_time"] is None for r in res["requests"]) == 2  # queued behind the cap, never sent
     assert res["duration"] >= 0.5
 

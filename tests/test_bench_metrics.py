@@ -107,11 +107,28 @@ def test_429_is_a_rejection_not_a_failure() -> None:
                       status=200, num_429=2, usage=True),
     ]
     m = compute_metrics(recs, duration=4.0)
-    assert (m["completed"], m["failed"], m["rejected_429"], m["cancelled"]) == (2, 3, 1, 2)
+    assert (m["completed"], m["failed"], m["rejected_429"], m["cancelled"]) == (2, 1, 1, 2)
     assert m["http_429_responses"] == 3
-    assert m["completed"] + m["failed"] + m["rejected_429"] == m["num_requests"]
+    assert m["completed"] + m["failed"] + m["rejected_429"] + m["cancelled"] == m["num_requests"]
     assert m["total_output_tokens"] == 4  # failed/rejected requests add no tokens
     assert recs[1].rejected and not recs[2].rejected
+
+
+def test_cancelled_at_max_duration_is_not_a_failure() -> None:
+    """The bench stopped them, the server did not fail them: their own count, in the JSON and the table. One
+    cancelled while it waited to retry a 429 is cancelled, not rejected."""
+    recs = [ok_record(0, 0.0, [0.1, 0.2]),
+            RequestRecord(index=1, send_time=0.0, status=200, chunk_times=[0.3], cancelled=True),  # mid-stream
+            RequestRecord(index=2, cancelled=True),  # never sent
+            RequestRecord(index=3, send_time=0.0, status=429, num_429=1, cancelled=True),  # waiting to retry
+            RequestRecord(index=4, send_time=0.0, end_time=0.1, status=503, error="HTTP 503: loading")]
+    m = compute_metrics(recs, duration=1.0)
+    assert (m["completed"], m["failed"], m["rejected_429"], m["cancelled"]) == (1, 1, 0, 3)
+    assert [r.failed for r in recs] == [False, False, False, False, True]
+    table = format_table(m).splitlines()
+    assert "Failed requests:                         1" in table
+    assert "Cancelled requests (--max-duration):     3" in table
+    assert "Cancelled requests (--max-duration):     0" in format_table(compute_metrics(recs[:1], 1.0))
 
 
 def test_goodput() -> None:

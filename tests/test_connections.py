@@ -107,6 +107,45 @@ def test_a_full_server_refuses_in_json_and_recovers(make_engine):
             pytest.fail("the server did not take connections again")
 
 
+def _health(sock: socket.socket) -> bytes:
+    """GET /health on a keep-alive connection: the status line, or b"" if the server had closed it."""
+    reply = b""
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        while b"\r\n\r\n" not in reply:
+            if not (chunk := sock.recv(65536)):
+                return b""
+            reply += chunk
+    except (BrokenPipeError, ConnectionResetError):
+        return b""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head.split(b"\r\n")[0]
+
+
+def test_at_the_cap_the_connection_idle_longest_gives_way(make_engine):
+    """Three idle keep-alive connections, idle since their responses in this order, and the cap is three: a fourth
+    closes the one idle longest, not a newer one, and everyone else is still served."""
+    engine = make_engine(num_blocks=16, max_step_ms=0)  # no idle connection expires on its own meanwhile:
+    with running_server(engine, max_connections=3, keep_alive_timeout_s=300, header_timeout_s=300) as (base, _):
+        host, port = base.removeprefix("http://").split(":")
+        idle = []
+        for _ in range(3):  # each idle from the end of its own response: oldest first
+            s = socket.create_connection((host, int(port)), timeout=30)
+            assert _health(s) == b"HTTP/1.1 200 OK"
+            idle.append(s)
+        newcomer = socket.create_connection((host, int(port)), timeout=30)
+        try:
+            assert _health(newcomer) == b"HTTP/1.1 200 OK"  # it made room when it arrived
+            # the oldest was closed (a request on it gets nothing), the newer ones were kept
+            assert [_health(s) for s in idle] == [b"", b"HTTP/1.1 200 OK", b"HTTP/1.1 200 OK"]
+        finally:
+            for s in [*idle, newcomer]:
+                s.close()
+
+
 @pytest.mark.slow  # load, flood or fuzz: the heavy tier
 def test_requests_that_cannot_start_in_time_get_429_and_retries_succeed(make_engine):
     """One sequence at a time and slowed steps: most of a burst cannot start within max_queue_wait_s. Each of

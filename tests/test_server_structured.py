@@ -185,6 +185,30 @@ def test_tool_choice_forces_valid_calls_streamed_equals_non_streamed(client, cho
             (call.function.name, call.function.arguments)]
 
 
+def test_required_tool_calls_invent_no_arguments(client):
+    """The bundled model, sampled at temperature 1, once wrote get_weather arguments with keys the function never
+    declared ({"city": "Oslo", "unit": "f", "criteria": "is_winter", "func_type": "product"}): a schema that does not
+    say whether it takes more properties takes none (server/tools.py, `closed`), as with vLLM's xgrammar."""
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                                "parameters": {"type": "object", "required": ["city", "unit"],
+                                                               "properties": {"city": {"type": "string"},
+                                                                              "unit": {"type": "string"}}}}}
+    prompts = ["What is the weather in Oslo?", "Is it cold in Helsinki this winter, in fahrenheit?",
+               "Weather for Lima, please, and tell me about the criteria you use."]
+    keys = []
+    for i, prompt in enumerate(prompts):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                           tools=[weather], tool_choice="required", temperature=1.0, seed=i, n=3,
+                                           max_tokens=60)
+        for choice in r.choices:
+            for call in choice.message.tool_calls or []:
+                try:
+                    keys.append(set(json.loads(call.function.arguments)))
+                except json.JSONDecodeError:  # cut short by max_tokens: its keys so far
+                    keys.append(set(re.findall(r'"(\w+)": ', call.function.arguments)))
+    assert len(keys) >= len(prompts) * 3 and all(k <= {"city", "unit"} for k in keys), keys
+
+
 def test_tool_turns_go_through_the_template_and_auto_and_none(client):
     msgs = [{"role": "user", "content": "What is 2 + 3?"},
             {"role": "assistant", "content": None, "tool_calls": [

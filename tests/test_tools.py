@@ -9,7 +9,15 @@ import random
 import pytest
 
 from pagedserve.engine.errors import InvalidRequestError
-from pagedserve.server.tools import ToolCallParser, parse_tool_calls, render_messages, resolve_tool_choice, tool_grammar
+from pagedserve.engine.structured import StructuredOutputs
+from pagedserve.server.tools import (
+    ToolCallParser,
+    closed,
+    parse_tool_calls,
+    render_messages,
+    resolve_tool_choice,
+    tool_grammar,
+)
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
@@ -72,9 +80,14 @@ def test_tool_choice_validation():
     assert resolve_tool_choice(None, None).mode == "none"
     assert resolve_tool_choice(TOOLS, {"type": "function", "function": {"name": "add"}}).name == "add"
     for tools, choice in [(None, "required"), (TOOLS, {"type": "function", "function": {"name": "nope"}}),
-                          (TOOLS, "sometimes"), (TOOLS + TOOLS[:1], "auto")]:
+                          (TOOLS, "sometimes")]:
         with pytest.raises(InvalidRequestError):
             resolve_tool_choice(tools, choice)
+    # two tools of one name are accepted, as vLLM accepts them (no JSON schema can state the rule): a call to that
+    # name may follow either's parameters
+    twice = TOOLS + [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    spec = tool_grammar(twice, resolve_tool_choice(twice, {"type": "function", "function": {"name": "add"}}), True)
+    assert spec.value.count('"const": "add"') == 2 and '"echo"' not in spec.value
 
 
 def test_tool_grammar_only_for_required_and_named():
@@ -114,3 +127,52 @@ def test_native_and_fallback_templates_render_tools_calls_and_results(smollm):
         assert "<tool_response>\n5\n</tool_response>" in text and '"name": "echo"' in text
     msgs, _ = render_messages(HISTORY, TOOLS, resolve_tool_choice(TOOLS, "none"), smollm.tokenizer)
     assert "echo" not in json.dumps(msgs)
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+           "required": ["city", "unit"]}  # no additionalProperties: JSON Schema's default would allow any
+
+
+def _grammar_accepts(tokenizer, parameters: dict, arguments: str) -> bool:
+    """Whether tool_choice "required" over get_weather(parameters) lets the model write these arguments."""
+    import llguidance
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}]
+    spec = tool_grammar(tools, resolve_tool_choice(tools, "required"), False)
+    outputs = StructuredOutputs(tokenizer, len(tokenizer))
+    matcher = llguidance.LLMatcher(outputs.ll_tokenizer, outputs.compile(spec), log_level=0)
+    text = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+    return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+
+def test_tool_arguments_have_only_declared_properties_unless_the_schema_allows_more(smollm):
+    """As xgrammar (vLLM's default) generates them: an object that does not say whether it takes more properties
+    takes none, so a model cannot invent arguments (issue 49: {"city": "Oslo", "unit": "f", "criteria": ...})."""
+    tok = smollm.tokenizer
+    assert _grammar_accepts(tok, WEATHER, '{"city": "Oslo", "unit": "f"}')
+    assert not _grammar_accepts(tok, WEATHER, '{"city": "Oslo", "unit": "f", "criteria": "is_winter"}')
+    assert not _grammar_accepts(tok, {}, '{"x": 1}') and _grammar_accepts(tok, {}, "{}")  # no parameters: none
+    nested = {"type": "object", "properties": {"where": WEATHER}, "required": ["where"]}
+    assert not _grammar_accepts(tok, nested, '{"where": {"city": "Oslo", "unit": "f", "x": 1}}')
+    assert _grammar_accepts(tok, nested, '{"where": {"city": "Oslo", "unit": "f"}}')
+    for more in (True, {"type": "integer"}):  # the schema allows more: extra keys stay possible
+        assert _grammar_accepts(tok, {**WEATHER, "additionalProperties": more}, '{"city": "Oslo", "unit": "f", "n": 1}')
+    assert not _grammar_accepts(tok, {**WEATHER, "additionalProperties": {"type": "integer"}},
+                                '{"city": "Oslo", "unit": "f", "n": "x"}')
+
+
+def test_closed_leaves_parts_of_an_object_open():
+    """allOf branches, then / else and dependent schemas describe part of an object (so does an anyOf beside the
+    object's own properties); closing them, or an object made of them, would refuse the other parts' properties."""
+    parts = {"type": "object", "properties": {"k": {}}, "anyOf": [{"properties": {"x": {}}}],
+             "allOf": [{"properties": {"y": {}}}], "dependentSchemas": {"k": {"properties": {"z": {}}}}}
+    assert closed(parts) == parts
+    alternatives = {"anyOf": [{"type": "object", "properties": {"a": {}}}, {"type": "string"}],
+                    "$defs": {"D": {"properties": {"q": {"type": "object"}}}}, "not": {"type": "object"}}
+    assert closed(alternatives) == {
+        "anyOf": [{"type": "object", "properties": {"a": {}}, "additionalProperties": False}, {"type": "string"}],
+        "$defs": {"D": {"properties": {"q": {"type": "object", "additionalProperties": False}},
+                        "additionalProperties": False}}, "not": {"type": "object"}}
+    unevaluated = {"type": "object", "unevaluatedProperties": True}
+    assert closed(unevaluated) == unevaluated
+    assert closed({"type": "array", "items": {"type": "object"}})["items"]["additionalProperties"] is False
