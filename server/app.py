@@ -192,11 +192,12 @@ def start_local(engine: LLMEngine, config: ServerConfig, on_outputs: Callable, l
 
 
 def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: Callable = start_local,
-               tracing: Tracing | None = None) -> FastAPI:
+               tracing: Tracing | None = None, echo_ids: bool = True) -> FastAPI:
     """`engine_factory` runs in a background thread at start-up; /ready answers 503 until it returns. `start`
     turns what it built into what the pipeline drives: an AsyncEngine here, a Fleet of replicas on Ray
     (server/ray_app.py), called as start(built, config, on_outputs, loop). `tracing`: where request spans go
-    (server/otel.py's Tracing; default: --otlp-traces-endpoint's collector, if set)."""
+    (server/otel.py's Tracing; default: --otlp-traces-endpoint's collector, if set). `echo_ids`: answer with the
+    request's X-Request-Id (not where a proxy in front does it already: Ray's)."""
     state = ServerState(config)
     tracing = tracing or tracing_from(config.otlp_traces_endpoint)
     serving = Serving(state.admitting_engine, config.served_model_name, config.prefix_cache_per_key,
@@ -245,7 +246,7 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
     app.add_middleware(ApiKeyAuth, keys=config.api_keys())  # before the body guard: no body is read for a bad key
     # outermost: every answer carries the request's id, a 401 or 413 too
-    app.add_middleware(RequestIds, model=config.served_model_name, tracing=tracing)
+    app.add_middleware(RequestIds, model=config.served_model_name, tracing=tracing, echo=echo_ids)
 
     # ---- errors: always the OpenAI shape -----------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -279,7 +280,7 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
         logger.exception("unhandled error")  # the details go to the log, never to the client
         # answered by Starlette's outermost layer, outside RequestIds: the id is added here
         return JSONResponse(error_body("internal server error", "internal_server_error", code="internal_error"), 500,
-                            headers={HEADER: request_record(request).request_id})
+                            headers={HEADER: request_record(request).request_id} if echo_ids else None)
 
     # ---- routes ------------------------------------------------------------------------------------------
     @app.get("/health", response_model=Health, responses=_errors(503))

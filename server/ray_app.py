@@ -115,7 +115,8 @@ class Ingress:
         self.fleet: Fleet | None = None  # once the replicas have described themselves
 
     def __serve_build_asgi_app__(self):
-        return create_app(self._describe, self.config, start=self._start)
+        # Ray's proxy echoes X-Request-Id itself (and makes one when none came): ours would be a second header
+        return create_app(self._describe, self.config, start=self._start, echo_ids=False)
 
     def _describe(self) -> ReplicaInfo:  # in the app's loading thread: blocking is fine there
         return self.handle.describe.remote().result(timeout_s=DESCRIBE_TIMEOUT_S)

@@ -114,12 +114,15 @@ def request_record(conn: HTTPConnection) -> RequestRecord:
 class RequestIds:
     """The outermost layer (outside the API key and body guards, so their refusals carry the id too): names each
     HTTP request, echoes the name in every response's header, and for the generation routes logs a line when the
-    response has been sent (a stream's last event included) and, with `tracing`, ends its span."""
+    response has been sent (a stream's last event included) and, with `tracing`, ends its span. `echo`: False where
+    a proxy in front echoes the id already (Ray Serve's, which also makes one when none came)."""
 
-    def __init__(self, app: ASGIApp, model: str | None = None, tracing: Tracing | None = None) -> None:
+    def __init__(self, app: ASGIApp, model: str | None = None, tracing: Tracing | None = None,
+                 echo: bool = True) -> None:
         self.app = app
         self.model = model
         self.tracing = tracing
+        self.echo = echo
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -144,8 +147,9 @@ class RequestIds:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 record.status = message["status"]
-                message = {**message, "headers": [*(h for h in message.get("headers", [])
-                                                    if h[0].lower() != echo[0]), echo]}
+                if self.echo:
+                    message = {**message, "headers": [*(h for h in message.get("headers", [])
+                                                        if h[0].lower() != echo[0]), echo]}
             await send(message)
 
         try:
