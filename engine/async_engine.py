@@ -53,7 +53,8 @@ class AdmissionLimits:
     max_queued_tokens: int | None = opt(None, "prompt tokens allowed to wait; more get 429 + Retry-After",
                                         bound=">= 1")
     max_queue_wait_s: float | None = opt(
-        120.0, "longest a request may wait to be scheduled (its prefill to begin): one whose estimated start (queue "
+        120.0, "longest a request may wait to be scheduled (its prefill to begin, or a free seat and the KV blocks "
+               "for its prompt to wait for it behind the prefill ahead): one whose estimated start (queue "
                "depth over the measured start rate) is later gets 429 + Retry-After at once, and one still not "
                "scheduled then gets 429 instead of silence; once scheduled, a request is never refused for its wait, "
                "however long its prefill (0: no bound)", bound=">= 0")
@@ -362,10 +363,13 @@ class AsyncEngine(AdmissionRules):
         if (rid := unused_id(request_id, self.in_use)) != request_id:
             logger.info("request id %s is still in use in the engine; running it as %s", request_id, rid)
             request_id = rid
+        seated = self.engine.has_seat(n)  # a seat is free for it now: it waits only for the prefill ahead
         self.engine.add_request(request_id, prompt_token_ids, params)
         stream = _Stream(n, owner)
         self._streams[request_id] = stream
         self._queued_tokens += n
+        if seated:
+            self._mark_scheduled([request_id])
         self._wake.set()
         return RequestStream(self, request_id, stream)
 

@@ -273,6 +273,18 @@ class LLMEngine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    def has_seat(self, num_prompt_tokens: int) -> bool:
+        """Whether a prompt of this many tokens, queued now behind every request waiting, finds a free seat
+        (--max-num-seqs) and free KV blocks for itself as the scheduler seats requests (`SchedulerOutput.seated`):
+        then only the prefill ahead of it delays its own. Any thread: read without stopping the loop, an estimate."""
+        with self._lock:
+            queue = list(self.scheduler.waiting) + self._adds
+        if len(self.scheduler.running) + len(queue) >= self.config.scheduler.max_num_seqs:
+            return False
+        size = self.block_manager.block_size
+        need = sum(-(-s.num_tokens // size) for s in queue) + -(-num_prompt_tokens // size)
+        return need <= self.scheduler.free_blocks_after_running_prompts()
+
     def prefill_time(self, num_tokens: int) -> float:
         """Seconds to prefill this many prompt tokens: the step-cost model's measured cost per token (before it is
         fitted, the scheduler's prior). Any thread."""
@@ -307,13 +319,14 @@ class LLMEngine:
     def step(self, on_scheduled: Callable[[list[str]], None] | None = None) -> list[RequestOutput]:
         """Run one scheduler step + forward pass. Returns an output for every request that changed.
         `on_scheduled` is called before the forward pass with the ids of the requests this step schedules for the
-        first time (their prefill begins): the async engine's admission never refuses those for their wait."""
+        first time (their prefill begins) or seats (`SchedulerOutput.seated`): the async engine's admission never
+        refuses those for their wait."""
         outputs = self._drain_inbox()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
-        if on_scheduled is not None and sched.started:
-            on_scheduled([s.request_id for s in sched.started])
+        if on_scheduled is not None and (sched.started or sched.seated):
+            on_scheduled([s.request_id for s in sched.started + sched.seated])
         if not sched.seqs:
             return outputs
         reqs = [self._requests[s.request_id] for s in sched.seqs]

@@ -51,6 +51,9 @@ class SchedulerOutput:
     num_preempted: int = 0
     num_admitted: int = 0  # waiting sequences that started (or restarted after preemption) this step
     started: list[Sequence] = field(default_factory=list)  # of which scheduled for the very first time
+    # waiting sequences, never scheduled yet, that hold a seat: a free sequence slot and free KV blocks for their
+    # whole prompt are there for them, and only this step's token budgets keep their prefill for a later step
+    seated: list[Sequence] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -129,7 +132,7 @@ class Scheduler:
             self._schedule_running(out, left)
             if admitting and out.num_preempted == 0:
                 self._admit(out, left, evicted)
-            return out
+            return self._seat(out)
         # The priority policy fills the step in order of urgency: at each priority, most urgent first, the running
         # sequences, then the waiting ones. With one priority for all, that is fcfs's order.
         seen: set[int] = set()
@@ -138,7 +141,7 @@ class Scheduler:
             preempted = out.num_preempted
             self._schedule_running(out, left, seen, level)
             if level is None:
-                return out
+                return self._seat(out)
             if out.num_preempted > preempted:  # blocks ran out: nothing new is admitted in this step
                 admitting = False
                 continue
@@ -232,6 +235,29 @@ class Scheduler:
                 self._emit(out, seq, n)
                 left.tokens -= n
         return False
+
+    def _seat(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Fill `out.seated`: the head of the queue, in order, as far as free seats and free blocks (for whole prompts,
+        no cache hit counted) reach. Their wait from here is only for the prefill of the prompts ahead of them, as
+        in llama.cpp's slots: a server's queue-wait bound counts them as started. Nobody while a static batch runs."""
+        if self.config.policy != "continuous" and self.running:
+            return out
+        seats = self.config.max_num_seqs - len(self.running)
+        free = self.free_blocks_after_running_prompts()
+        for seq in self.waiting[:max(0, seats)]:
+            free -= self.block_manager.blocks_needed(seq, seq.num_tokens)
+            if free < 0:
+                break
+            if seq.first_scheduled_time is None:
+                out.seated.append(seq)
+        return out
+
+    def free_blocks_after_running_prompts(self) -> int:
+        """Free blocks less those the running sequences' unfinished prompts will still take. Any thread (an estimate
+        while another thread steps)."""
+        bm = self.block_manager
+        return bm.num_free_blocks - sum(bm.blocks_needed(s, s.num_tokens - s.num_computed_tokens)
+                                        for s in list(self.running))
 
     def _victim(self, less_urgent_than: Sequence | None = None) -> Sequence | None:
         """The running sequence to preempt. When blocks run out: fcfs's newest, or the priority policy's least

@@ -280,6 +280,39 @@ def test_started_reports_each_request_once_preempted_or_not():
     assert b.num_preemptions >= 1 and started == []
 
 
+def test_seated_are_the_queue_head_that_free_seats_and_blocks_reach():
+    """Two long prompts, a token budget for one chunk: the first is scheduled, the second only seated (a seat and its
+    prompt's blocks are free for it; the budget alone holds its prefill back), and reported once. The third finds no
+    seat, and with blocks for only two whole prompts a fourth seat would not count either."""
+    s = make(num_blocks=10, block_size=4, max_num_seqs=2, budget=8)
+    a, b, c = seq(0, 12, 2), seq(1, 12, 2, base=60), seq(2, 12, 2, base=120)
+    for q in (a, b, c):
+        s.add(q)
+    out = step(s)
+    assert out.started == [a] and out.seated == [b]  # c: both seats are taken (a running, b seated)
+    out = step(s)
+    assert out.started == [b] and out.seated == []  # b's first tokens: started now, seated no more
+    s = make(num_blocks=7, block_size=4, max_num_seqs=4, budget=8)
+    a, b, c = seq(0, 12, 2), seq(1, 12, 2, base=60), seq(2, 12, 2, base=120)
+    for q in (a, b, c):
+        s.add(q)
+    out = step(s)  # a holds 2 blocks, 3 more are a's; b's whole prompt takes 3 of the 7: c's would not fit
+    assert out.started == [a] and out.seated == [b]
+
+
+def test_static_batching_seats_nobody_while_a_batch_runs():
+    s = make(max_num_seqs=4, budget=64, policy="static")
+    a, b = seq(0, 8, 4), seq(1, 8, 4, base=60)
+    s.add(a)
+    out = step(s)
+    s.add(b)
+    seated = []
+    while a.status is not SequenceStatus.FINISHED_LENGTH:
+        out = step(s)
+        seated += out.seated
+    assert out.started == [] and seated == []
+
+
 # ---- the priority policy --------------------------------------------------------------------------------------
 def test_priority_orders_admission_and_equal_priorities_keep_fcfs_order():
     s = make(max_num_seqs=1, scheduling_policy="priority")

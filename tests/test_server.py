@@ -615,6 +615,25 @@ def test_scheduled_requests_are_never_refused_for_their_wait(make_engine):
         _wait_idle(state)
 
 
+def test_a_request_with_a_free_seat_is_never_refused_for_the_prefill_ahead(make_engine):
+    """The default token budget holds one prompt's chunk a step: two ~3,000-token prompts sent together, steps that
+    outlast --max-queue-wait-s. The second is prefilled only after the first step, yet a seat and its blocks were
+    free for it from the start (it is seated, as a llama.cpp slot would take it): both get 200."""
+    bound = 1.0
+    engine = make_engine(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=2048, max_step_ms=0)
+    slowed(engine, bound + 0.2)
+    prompts = [[1000 + (7 * i + k) % 20000 for k in range(3000)] for i in range(2)]
+    with running_server(engine, AdmissionLimits(max_queue_wait_s=bound)) as (base, state):
+        async def both():
+            async with httpx.AsyncClient(timeout=600) as c:
+                return await asyncio.gather(*[c.post(f"{base}/v1/completions", json={
+                    "prompt": p, "max_tokens": 2, "ignore_eos": True}) for p in prompts])
+
+        results = asyncio.run(both())
+        assert [r.status_code for r in results] == [200, 200], [r.text for r in results]
+        _wait_idle(state)
+
+
 def test_a_request_not_scheduled_within_the_bound_gets_429_with_an_estimated_retry_after(make_engine):
     """The only seat is taken by a long request: the next one is not scheduled within --max-queue-wait-s and gets a
     429 whose Retry-After is the engine's estimate (the running request's remaining tokens at the measured step
