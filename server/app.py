@@ -101,12 +101,12 @@ class Health(BaseModel):
 
 
 def openapi_document(app: FastAPI, vocab_size: int | None = None, max_output_tokens: int | None = None,
-                     priorities: bool | None = None) -> dict[str, Any]:
+                     priorities: bool | None = None, model_name: str | None = None) -> dict[str, Any]:
     """FastAPI's document without the 422 it adds to routes with a body: validation errors here are 400s. With the
-    model's vocabulary size (once loaded), --max-output-tokens and whether priorities are scheduled (not: only
-    priority 0 is accepted), it states those limits too."""
+    model's vocabulary size (once loaded), --max-output-tokens, whether priorities are scheduled (not: only
+    priority 0 is accepted) and the served model's name, it states those limits too."""
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-    document_limits(doc, vocab_size, max_output_tokens, priorities)
+    document_limits(doc, vocab_size, max_output_tokens, priorities, model_name)
     for path in doc.get("paths", {}).values():
         for op in path.values():
             op.get("responses", {}).pop("422", None)
@@ -234,7 +234,8 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
                          "/v1/completions, /v1/models; /health (liveness), /ready (readiness), /metrics; "
                          "/v1/engine/state (the live view's data); a chat page and a live view of the "
                          "engine at / and /dashboard.")
-    document = functools.cache(functools.partial(openapi_document, app, max_output_tokens=config.max_output_tokens))
+    document = functools.cache(functools.partial(openapi_document, app, max_output_tokens=config.max_output_tokens,
+                                                   model_name=config.served_model_name))
 
     def openapi() -> dict[str, Any]:  # built again once, when the model has loaded
         inputs = state.inputs()

@@ -42,6 +42,7 @@ def Int(**constraints: Any) -> Any:  # noqa: N802 - a type
 # ids outside the vocabulary with a 400); a logit_bias key the same as a pattern.
 TOKEN_ID, TOKEN_KEY = "x-pagedserve-token-id", "x-pagedserve-token-key"
 OUTPUT_TOKENS = "x-pagedserve-output-tokens"  # `maximum`: the server's --max-output-tokens, when it has one
+MODEL = "x-pagedserve-model"  # `enum`: the served model's name (any other is a 404 model_not_found)
 PRIORITY = "x-pagedserve-priority"  # `enum: [0]` unless the server schedules by priority
 TokenId = Int(ge=0, json_schema_extra={TOKEN_ID: True})
 Text = Annotated[str, Field(min_length=1)]
@@ -147,7 +148,7 @@ def below(n: int) -> str:
 
 
 def document_limits(doc: Any, vocab_size: int | None, max_output_tokens: int | None,
-                    priorities: bool | None = None) -> None:
+                    priorities: bool | None = None, model_name: str | None = None) -> None:
     """Write the served model's and server's own limits into the OpenAPI document where the models marked them.
     An integer's bounds are written as integers: FastAPI's document has them as floats, and a fuzzer comparing in
     floats reads 2**64 + 382 as within `exclusiveMaximum: 2**64` (seed's)."""
@@ -171,6 +172,8 @@ def document_limits(doc: Any, vocab_size: int | None, max_output_tokens: int | N
             node["maximum"] = max_output_tokens
         if node.pop(PRIORITY, None) and priorities is False:
             node["enum"] = [0]
+        if node.pop(MODEL, None) and model_name is not None:
+            node["anyOf"] = [{"type": "string", "enum": [model_name]}, {"type": "null"}]
         stack += node.values()
 
 SURROGATE = re.compile("[\ud800-\udfff]")  # a lone UTF-16 surrogate: a string that is not valid Unicode
@@ -210,7 +213,7 @@ class ResponseFormat(_Strict):
 
 
 class _Request(_Strict):
-    model: str | None = None
+    model: str | None = Field(default=None, json_schema_extra={MODEL: True})
     max_tokens: Int(ge=0, json_schema_extra={OUTPUT_TOKENS: True}) | None = None  # 0: see RULES
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)

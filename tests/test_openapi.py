@@ -13,7 +13,7 @@ import sys
 import httpx
 import jsonschema
 import pytest
-from test_server import _wait_idle, running_server
+from test_server import MODEL, _wait_idle, running_server
 
 from pagedserve.engine import LLMEngine, make_config
 from pagedserve.server.protocol import below
@@ -136,6 +136,21 @@ def test_the_document_states_what_the_server_enforces(fuzz_server, document, wha
     _wait_idle(state)
 
 
+@pytest.mark.parametrize("name,status", [(MODEL, 200), (None, 200), ("gpt-4o", 404)])
+def test_the_document_names_the_served_model(fuzz_server, document, name, status):
+    """Only the served model's name (or none) is schema-valid, so a fuzzer's positive cases are never a 404."""
+    base, state = fuzz_server
+    for route, model, body in ((CHAT, "ChatCompletionRequest", {"messages": MSG}),
+                               (COMPLETIONS, "CompletionRequest", {"prompt": "hi"})):
+        full = {**body, "max_tokens": 2} | ({} if name is None else {"model": name})
+        assert _schema_allows(document, model, full) == (status == 200)
+        r = httpx.post(base + route, json=full, timeout=60)
+        assert r.status_code == status, r.text
+        if status == 404:
+            assert r.json()["error"]["code"] == "model_not_found"
+    _wait_idle(state)
+
+
 def test_the_document_states_the_model_and_server_limits(fuzz_server, document):
     base, _ = fuzz_server
     schemas = document["components"]["schemas"]
@@ -174,7 +189,10 @@ def test_schemathesis_finds_nothing(fuzz_server, tmp_path):
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks", "PAGEDSERVE_FUZZ_STATS": str(stats),
            "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{base}/openapi.json", "--checks", "all",
-           "--max-examples", os.environ.get("FUZZ_EXAMPLES", "40"), "--max-time", "240", "--request-timeout", "60",
+           "--max-examples", os.environ.get("FUZZ_EXAMPLES", "40"), "--max-time", "240", "--request-timeout", "120",
+           # `--checks all` times every response against 10 s by default: a loaded machine's n=8 x 9-prompt case
+           # takes longer. Tests assert no wall time: a response within the request timeout passes.
+           "--max-response-time", "120",
            "--workers", "1", "--seed", "49", "--continue-on-failure", "--no-color", "--report", "ndjson",
            "--report-dir", str(tmp_path), "--generation-database", "none"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)  # its caches too
