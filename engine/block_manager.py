@@ -16,6 +16,7 @@ import hashlib
 import os
 from array import array
 from collections import Counter, OrderedDict
+from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass, field
 
 from pagedserve.engine.sequence import Sequence
@@ -34,19 +35,40 @@ class Block:
     token_ids: tuple[int, ...] = field(default_factory=tuple)
 
 
-def root_digest(salt: str | None = None) -> bytes:
-    """Start of a sequence's chain: the process secret, mixed with the request's cache salt if any.
+def root_digest(salt: str | None = None, secret: bytes = _ROOT) -> bytes:
+    """Start of a chain: `secret` (this process's, unless the caller keeps its own record), mixed with the
+    request's cache salt if any.
 
     Requests with different salts never share a block, even for identical prompts.
     """
     if not salt:
-        return _ROOT
-    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), key=_ROOT, digest_size=32).digest()
+        return secret
+    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), key=secret, digest_size=32).digest()
 
 
 def block_digest(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
     """BLAKE2b-256 over the parent's digest and the block's token ids: a hit implies the whole prefix."""
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=32).digest()
+
+
+def chain_digests(parent: bytes, token_ids: TokenIds[int], block_size: int, start: int, stop: int) -> list[bytes]:
+    """Chained digests of full blocks `start` to `stop - 1` of `token_ids`, `parent` being the digest of block
+    `start - 1` (the root when `start` is 0).
+
+    The one definition of a prefix's key: the block manager keys its cache with it and the router
+    (server/affinity.py) its record of what each replica was sent, so both agree on where prompts diverge.
+    """
+    out = []
+    for i in range(start, stop):
+        parent = block_digest(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        out.append(parent)
+    return out
+
+
+def max_hit_blocks(num_tokens: int, block_size: int) -> int:
+    """Full blocks a prefix-cache hit may cover for `num_tokens` tokens: never the block of the last token,
+    which must be computed to get logits for sampling."""
+    return (num_tokens - 1) // block_size
 
 
 class BlockManager:
@@ -86,11 +108,11 @@ class BlockManager:
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of `seq`'s tokens.
 
-        Never the whole sequence: the last token must be computed to get logits for sampling.
+        Never the whole sequence: see `max_hit_blocks`.
         """
         if not self.enable_prefix_caching:
             return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = max_hit_blocks(seq.num_tokens, self.block_size)
         digests = self.digests(seq, max_blocks)
         hits: list[int] = []
         parent = root_digest(seq.params.cache_salt)
@@ -113,10 +135,9 @@ class BlockManager:
         """Chained digests of `seq`'s first `num_blocks` full blocks, each computed once and kept on `seq`
         (tokens are only ever appended, so a full block's digest never changes, even across preemption)."""
         cache = seq.block_digests
-        parent = cache[-1] if cache else root_digest(seq.params.cache_salt)
-        for i in range(len(cache), num_blocks):
-            parent = block_digest(parent, self._tokens(seq, i))
-            cache.append(parent)
+        if len(cache) < num_blocks:
+            parent = cache[-1] if cache else root_digest(seq.params.cache_salt)
+            cache.extend(chain_digests(parent, seq.token_ids, self.block_size, len(cache), num_blocks))
         return cache
 
     # ---- allocation ----------------------------------------------------------------------------
@@ -136,7 +157,8 @@ class BlockManager:
             for block_id in cached:
                 self._ref(block_id)
                 seq.block_table.append(block_id)
-                seq.block_hashes.append(self.blocks[block_id].hash)
+            # a hit's blocks are published already, under the digests `find_cached_prefix` just computed
+            seq.num_published_blocks = len(cached)
             seq.num_computed_tokens = len(cached) * self.block_size
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             seq.block_table.append(self._take_free_block())
@@ -166,9 +188,8 @@ class BlockManager:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         digests = self.digests(seq, num_full)
-        for i in range(len(seq.block_hashes), num_full):
+        for i in range(seq.num_published_blocks, num_full):
             h = digests[i]
-            seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self._hash_to_block:
                 block.hash = h
@@ -176,13 +197,14 @@ class BlockManager:
                 block.token_ids = self._tokens(seq, i)
                 self._hash_to_block[h] = block.block_id
             # else: an identical block is already published (computed twice concurrently): keep that one
+        seq.num_published_blocks = max(seq.num_published_blocks, num_full)
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references, tail first so shared heads stay cached longest (LRU)."""
         for block_id in reversed(seq.block_table):
             self._unref(block_id)
         seq.block_table.clear()
-        seq.block_hashes.clear()
+        seq.num_published_blocks = 0
         seq.num_computed_tokens = 0
 
     def free_tail(self, seq: Sequence, num_tokens: int) -> None:
@@ -194,7 +216,7 @@ class BlockManager:
         while len(seq.block_table) > keep:
             block_id = seq.block_table.pop()
             block = self.blocks[block_id]
-            assert block.hash is None and len(seq.block_hashes) <= keep, "a published block past the tail"
+            assert block.hash is None and seq.num_published_blocks <= keep, "a published block past the tail"
             self._unref(block_id)
 
     def _unref(self, block_id: int) -> None:

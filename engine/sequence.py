@@ -39,8 +39,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at the last admission
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # digests of the full blocks it published
-    block_digests: list[bytes] = field(default_factory=list)  # cache of its full blocks' chained digests
+    # chained digests of its full blocks, computed once: tokens are only appended, so they outlive preemption
+    block_digests: list[bytes] = field(default_factory=list)
+    num_published_blocks: int = 0  # leading blocks of `block_table` already offered to the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
     # speculative decoding: draft tokens scheduled after the known ones, verified by the next forward pass

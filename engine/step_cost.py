@@ -27,7 +27,9 @@ FEATURES = ("fixed", "prefill_tokens", "decode_seqs", "context_tokens")
 MIN_SAMPLES = 8  # fitted only after this many timed steps, some with prefill, some without
 WINDOW = 256
 HALF_LIFE = 64  # steps: older samples weigh half as much
-DEFAULT_TARGET_FACTOR = 4.0  # p99 TPOT within ~3x p50 in a burst, TTFT near a token-budget step's (docs/performance.md)
+# Step target, in decode steps of the admitted batch: larger lets a burst's prompts prefill in fewer steps (TTFT),
+# smaller keeps the streams' token gaps even (TPOT p99 against p50); the sweep that chose it is in docs/performance.md
+DEFAULT_TARGET_FACTOR = 4.0
 
 
 @dataclass(frozen=True, slots=True)

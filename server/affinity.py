@@ -1,9 +1,9 @@
 """Prefix-cache affinity: which replica most likely holds a request's prompt prefix in its KV cache.
 
-The router-side twin of the engine's prefix cache (engine/block_manager.py): a prompt is cut into the same
-`block_size` blocks and each block gets a chained digest (parent digest + the block's token ids), so two
+The router-side twin of the engine's prefix cache: a prompt's key is the engine's own chain
+(`chain_digests` in engine/block_manager.py) over the blocks a hit may cover (`max_hit_blocks`), so two
 prompts share digests exactly as far as an engine would share cached blocks. The chain starts from a secret of
-this process mixed with the request's cache namespace (its `cache_salt`, with the API key's namespace when
+this ingress mixed with the request's cache namespace (its `cache_salt`, with the API key's namespace when
 keys are isolated), so tenants never match each other's prefixes: where a request goes says nothing about what
 another tenant sent.
 
@@ -16,13 +16,18 @@ useful match, to the shorter queue of two random replicas (power of two choices)
 
 from __future__ import annotations
 
-import hashlib
 import random
-from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
+
+from pagedserve.engine.block_manager import chain_digests, max_hit_blocks, root_digest
+
+# A record entry's length. The router keeps up to `max_blocks_per_replica` of them per replica and every request
+# carries its chain to Ray's router; a collision there only sends a request to a colder replica, never changes a
+# token, so half of the engine's digest is plenty.
+RECORD_DIGEST_BYTES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,15 +40,13 @@ class RoutingKey:
 
 def block_chain(token_ids: Sequence[int], block_size: int, secret: bytes, namespace: str | None = None) -> tuple[
         bytes, ...]:
-    """Digests of the blocks a prefix-cache hit could cover: full blocks, never the last token's (the engine
-    always computes that one). 16-byte BLAKE2b: an approximate record only needs collisions to be rare."""
-    parent = hashlib.blake2b((namespace or "").encode("utf-8", "surrogatepass"), key=secret, digest_size=16).digest()
-    out = []
-    for i in range((len(token_ids) - 1) // block_size):
-        block = array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes()
-        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
-        out.append(parent)
-    return tuple(out)
+    """Digests of the blocks a prefix-cache hit could cover, shortened to `RECORD_DIGEST_BYTES`.
+
+    Keyed by the ingress's `secret` rather than the engine's per-process root: these digests are compared only
+    with each other, never with a replica's, so the key is the record owner's to hold (and a test's to pin)."""
+    chain = chain_digests(root_digest(namespace, secret), token_ids, block_size, 0,
+                          max_hit_blocks(len(token_ids), block_size))
+    return tuple(d[:RECORD_DIGEST_BYTES] for d in chain)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,8 @@
 3. Every refusal at this level is OpenAI's error JSON, never plain text.
 
 uvicorn alone has no header deadline (its keep-alive timer starts after a first response) and its
-`limit_concurrency` counts idle sockets and answers in plain text: 1,030 silent sockets locked every user out.
+`limit_concurrency` counts idle sockets and answers in plain text: a client that opens sockets and sends nothing
+fills the cap, and every user is locked out (docs/performance.md, "Connections", has the flood that showed it).
 """
 
 from __future__ import annotations

@@ -79,3 +79,25 @@ def test_a_block_sent_again_is_recent_again():
     aff.record("r", old)  # a hit: `old` is the most recent now
     aff.record("r", block_chain(list(range(300, 317)), 16, SECRET))  # one block past the bound: one ages out
     assert [aff.match("r", chain) for chain in (old, mid, new)] == [1, 0, 1]
+
+
+def test_router_chain_is_the_engines_chain_over_the_blocks_a_hit_may_cover():
+    """One chain for both sides: with the engine's root, the router's digests are the block manager's, shortened,
+    and they stop exactly where the engine's hits stop (never the last token's block)."""
+    import pagedserve.engine.block_manager as bm_mod
+    from pagedserve.engine.block_manager import BlockManager
+    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.engine.sequence import Sequence
+
+    for n in (1, 4, 5, 8, 9, 13):
+        ids = list(range(100, 100 + n))
+        bm = BlockManager(16, 4)
+        first = Sequence(0, "a", ids, SamplingParams(max_tokens=8), 8)
+        bm.allocate(first, n)
+        first.num_computed_tokens = n
+        bm.publish_full_blocks(first)
+        again = Sequence(1, "b", ids, SamplingParams(max_tokens=8), 8)
+        hits = bm.find_cached_prefix(again)
+        chain = block_chain(ids, 4, bm_mod._ROOT)
+        assert len(chain) == len(hits) == bm_mod.max_hit_blocks(n, 4) == (n - 1) // 4
+        assert list(chain) == [d[:16] for d in again.block_digests[:len(hits)]]

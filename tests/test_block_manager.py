@@ -175,7 +175,8 @@ def test_digests_chain_the_whole_prefix_and_are_computed_once(monkeypatch):
         bm.find_cached_prefix(a)
     compute(bm, a, 9)
     assert len(calls) == 4  # two blocks each of a and b, once
-    assert a.block_hashes == a.block_digests[:2] and all(len(d) == 32 for d in a.block_digests)
+    assert a.num_published_blocks == 2 and [bm.blocks[b].hash for b in a.block_table[:2]] == a.block_digests[:2]
+    assert all(len(d) == 32 for d in a.block_digests)
 
 
 def test_cache_salt_separates_identical_prompts():
@@ -199,3 +200,32 @@ def mod_root_differs() -> bool:
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
             for _ in range(2)}
     return len(outs) == 2
+
+
+def test_chain_digests_continues_a_chain_from_any_block():
+    """The shared chain (the router uses it too): computing blocks 2.. from block 1's digest gives the same
+    digests as computing all of them from the root, and each depends on the salt through the root."""
+    from pagedserve.engine.block_manager import chain_digests, root_digest
+
+    ids = list(range(20))
+    whole = chain_digests(root_digest(), ids, 4, 0, 5)
+    assert len(set(whole)) == 5
+    assert whole[:2] + chain_digests(whole[1], ids, 4, 2, 5) == whole
+    assert chain_digests(root_digest(), ids, 4, 0, 0) == []
+    assert set(chain_digests(root_digest("t"), ids, 4, 0, 5)).isdisjoint(whole)
+    assert root_digest(secret=b"k" * 32) == b"k" * 32 and root_digest("t", b"k" * 32) != root_digest("t")
+
+
+def test_preemption_keeps_digests_but_forgets_what_it_published():
+    """After `free` (preemption), the digests stay cached on the sequence and the re-admitted prefix hits."""
+    bm = BlockManager(16, 4)
+    a = seq(range(10))
+    compute(bm, a, 10)
+    assert a.num_published_blocks == 2 and len(a.block_digests) == 2
+    bm.free(a)
+    assert a.num_published_blocks == 0 and len(a.block_digests) == 2
+    hits = bm.find_cached_prefix(a)
+    assert hits == [0, 1]
+    bm.allocate(a, 2, hits)
+    assert a.num_published_blocks == 2 and a.num_computed_tokens == 8
+    bm.check_integrity([a])

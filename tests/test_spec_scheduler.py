@@ -57,7 +57,7 @@ def spec_step(s: Scheduler, propose, check_published=True):
     for q in live:
         assert q.num_computed_tokens <= q.num_tokens
         assert len(q.block_table) <= -(-q.num_tokens // bm.block_size)  # rejected slots given back
-        for i, h in enumerate(q.block_hashes):  # published blocks hold exactly the verified tokens
+        for i, h in enumerate(q.block_digests[:q.num_published_blocks]):  # published: exactly the verified tokens
             b = bm.blocks[q.block_table[i]]
             if b.hash == h:
                 assert b.token_ids == tuple(q.token_ids[i * bm.block_size:(i + 1) * bm.block_size])

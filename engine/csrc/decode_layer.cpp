@@ -3,11 +3,11 @@
 // projections: up to DENSE_GEMV_MAX_M rows; the fused layer takes up to FUSED_DENSE_MAX_M, where the per-op
 // path has handed the projections to oneDNN, whose roundings differ).
 //
-// Why: at batch 1 a SmolLM2 step is ~30 x 12 small op calls besides the projections' bytes, and every call
-// from Python pays a fixed cost before it does anything (argument parsing, dispatcher, output tensor, the
-// module tree around it): a sizeable share of a bf16 step, and more of an int8/int4 one, whose weights stream
-// in half or a quarter of the time. Called from C++ the same kernels cost what they compute
-// (benchmarks/kernels/bench_fused_decode.py; figures in docs/performance.md).
+// Why: at batch 1 a SmolLM2 step is a dozen small op calls in each of its 30 layers besides the projections'
+// bytes, and every call from Python pays a fixed cost before it does anything (argument parsing, dispatcher,
+// output tensor, the module tree around it): a sizeable share of a bf16 step, and more of an int8/int4 one,
+// whose weights stream in half or a quarter of the time. Called from C++ the same kernels cost what they
+// compute (benchmarks/kernels/bench_fused_decode.py; figures in docs/performance.md).
 //
 // Each projection comes as a list of tensors, its kernel told by the first one's dtype:
 //   float (bf16/fp16/fp32) [weight] or [weight, bias]           -> dense_linear

@@ -63,9 +63,9 @@ inline vec vload(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(rei
 #endif
 
 // acc[m] = w . x[m] for one weight row and MR fp32 activation rows (each K long). With one accumulator the
-// FMA latency chain bound M = 1 to a fraction of the bandwidth: U independent ones, fewer as MR supplies its own.
-// (Tiles of 4 weight rows x MR were slower at M = 1-2: the four interleaved row streams defeat the prefetcher
-// that one row after another keeps busy.)
+// FMA latency chain bounds M = 1 below the memory's speed: U independent ones, fewer as MR supplies its own.
+// One weight row at a time, not a tile of several: the hardware prefetcher follows one sequential stream well,
+// and several interleaved row streams defeat it (docs/performance.md, "dense_linear.cpp").
 template <int MR, typename T>
 inline void dot_rows(const T* w, const float* x, int64_t K, float* acc) {
   int64_t k = 0;

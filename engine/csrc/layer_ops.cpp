@@ -1,7 +1,8 @@
 // The decoder layer's small ops, fused: RMSNorm (with the residual add before it), RoPE in place, SiLU * up.
 //
-// At batch 1 each of these is several PyTorch ops (casts, reductions, chunk/cat/neg for RoPE) of a few
-// microseconds each, ~40 per layer: together a sizeable share of a step once the weights are quantized.
+// At batch 1 each of these is several PyTorch ops (casts, reductions, chunk/cat/neg for RoPE), dozens per
+// layer, each paying a call's fixed cost for little arithmetic: together a sizeable share of a step once the
+// weights are quantized (figures in docs/performance.md).
 // Each op here is one pass over its rows. Arithmetic is fp32; for bf16/fp16 tensors the results are rounded
 // where the PyTorch path rounds (after the normalisation, after each product), so the two paths agree to
 // the last bit in most elements and to one rounding step elsewhere.

@@ -71,7 +71,8 @@ inline void qk_rows(const float* q, const float* k, int64_t k_stride, int64_t n,
 
 // acc_r = alpha_r * acc_r + sum_j p[r * p_stride + j] v_j for the ROWS rows together: each V row is loaded
 // once for all rows, and 64 dims x ROWS rows of accumulators stay in registers across the keys (a loop
-// over d per key and row was one FMA latency chain, load and store per key: several times slower).
+// over d per key and row is one FMA latency chain with a load and a store per key; figures in
+// docs/performance.md).
 inline void pv_rows(float* acc, const float* p, int64_t p_stride, const float* alpha, const float* v,
                     int64_t v_stride, int64_t n, int64_t D) {
   int64_t d0 = 0;

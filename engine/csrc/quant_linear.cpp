@@ -25,7 +25,7 @@
 namespace {
 
 // dequantized tile for the many-row GEMM: one GEMM call per tile, and each GEMM call has a fixed cost, so a tile
-// holds most projections whole (smaller tiles were slower at every M measured; figures in docs/performance.md)
+// holds most projections whole (figures in docs/performance.md)
 constexpr int64_t TILE_KIB = 16384;
 
 using pagedserve::narrow;
@@ -88,8 +88,9 @@ Int8Blocks quantize_blocks(const T* x, int64_t M, int64_t K, int64_t G) {
 
 // A GEMV's time is the time to stream its weights in, and on its own one core keeps too few cache-line reads in
 // flight to reach the memory's speed: each step asks for the line PREFETCH_AHEAD bytes further on in the panels
-// (contiguous, so the distance runs on into the next panel). Distances from 3 to 8 KiB measured alike, 512 bytes
-// and 16 KiB less (benchmarks/kernels/bench_gguf_gemv.py; figures in docs/performance.md).
+// (contiguous, so the distance runs on into the next panel). Too short a distance and the line is not there in
+// time; too long and it may be evicted before it is read. The value sits in the middle of the range that measured
+// alike (benchmarks/kernels/bench_gguf_gemv.py; figures in docs/performance.md).
 constexpr int64_t PREFETCH_AHEAD = 4096;
 template <int BITS>
 inline void prefetch_step(const uint8_t* c, int64_t q) {

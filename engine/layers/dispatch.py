@@ -252,8 +252,9 @@ def probe_bf16_speedup(timer: Callable[[torch.dtype], float] | None = None) -> t
 
 
 def probe_prepack_fp32(timer: Callable[[bool], float] | None = None) -> tuple[bool, str]:
-    """fp32 F.linear (the BLAS torch was built with: MKL on x86, fast on Intel) against oneDNN's prepacked GEMM
-    (faster on the AMD CPUs measured, the most at a few rows; figures in docs/performance.md)."""
+    """fp32 F.linear (the BLAS torch was built with: MKL on x86) against oneDNN's prepacked GEMM. Which wins
+    depends on the CPU's vendor and on the row count, so it is measured here rather than assumed (figures in
+    docs/performance.md, "prepack_fp32")."""
     timer = timer or (lambda packed: sum(time_gemm(torch.float32, s, packed=packed) for s in PACK_PROBE_SHAPES))
     try:
         plain_ms, packed_ms = timer(False), timer(True)

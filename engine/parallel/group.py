@@ -3,8 +3,10 @@
 The group is a torch.distributed process group made directly over a TCPStore (gloo on CPU, NCCL on CUDA), not
 the process-wide default group: an engine owns its group, so two engines in one process (tests, benchmarks) do
 not collide, and closing one leaves no global state behind. Ranks on one host's CPUs sum through shared memory
-(`shm_all_reduce.py`, ~30x faster than gloo's loopback sockets); gloo still carries the gathers, the non-sum
-reductions and tensors larger than a shared slot.
+(`shm_all_reduce.py`): a decode step makes two all-reduces per layer of a small tensor (a hidden-size row per
+sequence), where gloo's loopback sockets cost a system call and a copy through the kernel per message and shared
+memory costs one copy in and one sum (figures in docs/tensor_parallel.md). Gloo still carries the gathers, the
+non-sum reductions and tensors larger than a shared slot.
 """
 
 from __future__ import annotations
