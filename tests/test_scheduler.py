@@ -504,5 +504,5 @@ def test_update_finishes_through_the_stop_check_and_drops_tokens_after_it():
     assert a.output_token_ids == [3, EOS] and a.status is SequenceStatus.FINISHED_STOPPED
     assert b.output_token_ids == [] and b.status is SequenceStatus.FINISHED_LENGTH
     assert c.output_token_ids == [5] and c.status is SequenceStatus.FINISHED_STOPPED
-    assert sorted(seen) == [(0, 3), (0, EOS), (2, 5)] and s.stats.generation_tokens == 3
+    assert sorted(seen) == sorted([(0, 3), (0, EOS), (2, 5)]) and s.stats.generation_tokens == 3
     assert s.block_manager.num_used_blocks == 0
