@@ -183,8 +183,9 @@ class Fleet(EngineClient):
 
 
 class FleetStream:
-    """One request's outputs from whichever replica runs it; the same surface as AsyncEngine's RequestStream.
-    `close()` before the end cancels the remote call, which aborts the request in that replica's engine."""
+    """One request's outputs from whichever replica runs it: an OutputStream (engine/client.py), as AsyncEngine's
+    RequestStream is. `close()` before the end cancels the remote call, which aborts the request in that replica's
+    engine."""
 
     def __init__(self, fleet: Fleet, request_id: str, ids: list[int], params: SamplingParams,
                  key: RoutingKey) -> None:
@@ -250,7 +251,7 @@ class FleetStream:
                 raise OverloadedError(f"{refused.message} (every replica refused)", self.fleet.retry_after(),
                                       refused.reason)
 
-    # ---- RequestStream's surface -------------------------------------------------------------------------
+    # ---- OutputStream's surface --------------------------------------------------------------------------
     def __aiter__(self) -> FleetStream:
         return self
 
