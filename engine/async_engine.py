@@ -1,24 +1,23 @@
-"""Runs LLMEngine.step in its own thread and bridges outputs to asyncio, one queue per request."""
+"""Runs LLMEngine.step in its own thread and bridges outputs to asyncio, one queue per request: the single server's
+`EngineClient` (engine/client.py), with its admission (queue limits, the expected wait, Retry-After)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-import math
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.engine import allocator
+from pagedserve.engine.client import EngineClient, Reservation, Seats
 from pagedserve.engine.config import check_options, opt
-from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.input_processor import EngineRequest, InputProcessor
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine
 from pagedserve.engine.output_processor import RequestOutput
-from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.snapshot import EngineSnapshot
 
 logger = logging.getLogger(__name__)
@@ -87,7 +86,7 @@ def unused_id(request_id: str, in_use: Callable[[str], bool]) -> str:
 @dataclass(slots=True, eq=False)
 class _Stream:
     num_prompt_tokens: int
-    owner: str | None  # who submitted it (a server's tenant id), so a live view shows each its own ids
+    tenant: str | None  # who submitted it (a server's API key id), so a live view shows each its own ids
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     started: bool = False  # first output seen
     submitted: float = field(default_factory=time.monotonic)
@@ -98,51 +97,8 @@ class _Stream:
     scheduled: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class AdmissionRules(ABC):
-    """The answers an AsyncEngine and a fleet of them (server/fleet.py) give alike, from what each has: `engine`
-    (what validates a request), `limits`, `num_waiting`, `expected_wait()` and `estimated_wait()`."""
-
-    engine: LLMEngine  # a fleet's: an InputProcessor, which validates alike
-    limits: AdmissionLimits
-    num_waiting: int
-
-    @abstractmethod
-    def expected_wait(self) -> float | None:
-        """Seconds until one more request would start, as measured while queues drained (None before that): the
-        only estimate a request is refused on before it has waited."""
-
-    @abstractmethod
-    def estimated_wait(self, ahead: int | None = None) -> float | None:
-        """Seconds until `ahead` (default: all) of the requests waiting now have started: at the measured drain rate
-        where there is one, else estimated from what the engine knows (None: nothing known)."""
-
-    def retry_after(self, wait: float | None = None) -> float:
-        """Whole seconds in [1, 60] until a retry would likely be admitted: `wait`, by default the estimated time
-        until every request waiting now has started."""
-        wait = self.estimated_wait() if wait is None else wait
-        return float(min(60, max(1, math.ceil(wait or 0))))
-
-    @property
-    @abstractmethod
-    def in_flight(self) -> int:
-        """Admitted requests that have not ended yet: reserved, waiting or running."""
-
-    @abstractmethod
-    def fail_all(self, error: BaseException) -> None:
-        """End every request in flight with `error`: one not started yet raises it from `wait_started`, a running
-        one from its stream (a server's stream then sends it as an error event). Their engine work is aborted."""
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """The engine's checks, plus the admission bounds a request could never pass (400, not 429)."""
-        self.engine.validate(prompt_token_ids, params)
-        limit = self.limits.max_queued_tokens
-        if limit is not None and len(prompt_token_ids) > limit:
-            raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens, more than the {limit} "
-                                      "allowed to wait (--max-queued-tokens)", "prompt")
-
-
-class AsyncEngine(AdmissionRules):
-    """`generate` is an async iterator of RequestOutputs; leaving it early aborts the request."""
+class AsyncEngine(EngineClient):
+    """One LLMEngine stepping in its own thread; each submitted request's outputs arrive on a RequestStream."""
 
     def __init__(self, engine: LLMEngine, limits: AdmissionLimits | None = None,
                  on_outputs: Callable[[list[RequestOutput]], None] | None = None) -> None:
@@ -152,7 +108,7 @@ class AsyncEngine(AdmissionRules):
         self.on_outputs = on_outputs  # metrics hook, called on the event loop
         self.error: BaseException | None = None
         self._streams: dict[str, _Stream] = {}
-        self._reserved = 0  # admitted requests not yet handed to the engine
+        self._seats = Seats()  # admitted requests not yet handed to the engine
         self._queued_tokens = 0
         # gaps between consecutive first outputs while requests were waiting: how fast the queue drains when it
         # has to. A gap counts only if the request starting was already waiting at the start before it: idle time
@@ -244,8 +200,12 @@ class AsyncEngine(AdmissionRules):
         self._deliver_snapshot(EngineDeadError(f"engine loop died: {error!r}"))
 
     @property
+    def input_processor(self) -> InputProcessor:
+        return self.engine.input_processor
+
+    @property
     def in_flight(self) -> int:
-        return len(self._streams) + self._reserved
+        return len(self._streams) + self._seats.reserved
 
     def fail_all(self, error: BaseException) -> None:
         """On the event loop. Each stream that takes its error closes itself, which aborts it in the engine."""
@@ -277,15 +237,15 @@ class AsyncEngine(AdmissionRules):
         self._wake.set()
         return await asyncio.wait_for(fut, timeout)
 
-    def owner(self, request_id: str) -> str | None:
-        """Who submitted a live request (`submit`'s owner); None for unknown ids."""
+    def tenant_of(self, request_id: str) -> str | None:
+        """Who submitted a live request (`submit`'s tenant); None for unknown ids."""
         stream = self._streams.get(request_id)
-        return None if stream is None else stream.owner
+        return None if stream is None else stream.tenant
 
     @property
     def num_waiting(self) -> int:
         """Admitted requests that are not running yet (reservations included)."""
-        return self.engine.num_waiting + self._reserved
+        return self.engine.num_waiting + self._seats.reserved
 
     @property
     def num_running(self) -> int:
@@ -295,13 +255,13 @@ class AsyncEngine(AdmissionRules):
         """The engine's snapshot, with admitted requests not yet handed to it counted as waiting."""
         return dataclasses.replace(self.engine.stats(), num_waiting=self.num_waiting)
 
-    def expected_wait(self) -> float | None:
-        """Seconds until one more request would start: the requests waiting ahead of it times the measured gap
-        between starts (first scheduled) while a queue drains (None before any was measured; 0 with nobody
-        waiting)."""
+    def expected_wait(self, waiting: int | None = None) -> float | None:
+        """Seconds until one more request would start: the requests waiting ahead of it (default: all waiting now)
+        times the measured gap between starts (first scheduled) while a queue drains (None before any was
+        measured; 0 with nobody waiting)."""
         if not self._start_gaps:
             return None
-        return self.num_waiting * sum(self._start_gaps) / len(self._start_gaps)
+        return (self.num_waiting if waiting is None else waiting) * sum(self._start_gaps) / len(self._start_gaps)
 
     def estimated_wait(self, ahead: int | None = None) -> float:
         """Seconds until `ahead` (default: all) of the requests waiting now have started: at the measured gap between
@@ -319,59 +279,55 @@ class AsyncEngine(AdmissionRules):
         mean = sum(self._start_gaps) / len(self._start_gaps)
         return 1.0 / mean if mean > 0 else None
 
-    def reserve(self) -> None:
-        """Admission control, called before any tokenizing: raises OverloadedError when the queue is full or a
-        new request would not start within max_queue_wait_s."""
+    def reserve(self, count: int = 1) -> Reservation:
+        """Admission control, called before any tokenizing: seats for `count` requests, each judged as if the ones
+        before it were already waiting. Raises OverloadedError when the queue is full or a new request would not
+        start within max_queue_wait_s."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop died: {self.error!r}")
         limit = self.limits.max_waiting_requests
-        if limit is not None and self.num_waiting >= limit:
-            raise OverloadedError(f"server overloaded: {self.num_waiting} requests already waiting (limit "
-                                  f"{limit})", self.retry_after(self.estimated_wait(self.num_waiting - limit + 1)))
-        bound, wait = self.limits.max_queue_wait_s, self.expected_wait()
-        if bound and wait is not None and wait > bound:
-            raise OverloadedError(f"server overloaded: a new request would start in about {wait:.0f} s, later than "
-                                  f"the {bound:g} s allowed (--max-queue-wait-s)", self.retry_after(wait - bound),
-                                  reason="queue_wait")
-        self._reserved += 1
-
-    def release(self) -> None:
-        """Give back a reservation that did not turn into a request (bad input, etc.)."""
-        self._reserved -= 1
+        bound = self.limits.max_queue_wait_s
+        for k in range(count):
+            waiting = self.num_waiting + k
+            if limit is not None and waiting >= limit:
+                raise OverloadedError(f"server overloaded: {waiting} requests already waiting (limit {limit})",
+                                      self.retry_after(self.estimated_wait(waiting - limit + 1)))
+            wait = self.expected_wait(waiting)
+            if bound and wait is not None and wait > bound:
+                raise OverloadedError(f"server overloaded: a new request would start in about {wait:.0f} s, later "
+                                      f"than the {bound:g} s allowed (--max-queue-wait-s)",
+                                      self.retry_after(wait - bound), reason="queue_wait")
+        return self._seats.hold(count)
 
     def in_use(self, request_id: str) -> bool:
         """Whether a stream or the engine still holds `request_id` (the engine forgets an aborted one only at its
         next step; a stream outlives its request until the consumer closes it)."""
         return request_id in self._streams or self.engine.has_request(request_id)
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               owner: str | None = None) -> RequestStream:
-        """Hand a reserved, validated request to the engine. The caller must `close()` the stream. `owner` names
-        who sent it (a server's tenant), for `owner()`. The request runs as `request_id`, or with a suffix while
-        that is still in use (`unused_id`); the stream's `request_id` says which.
-
-        Raises InvalidRequestError for bad input and OverloadedError past the queued-token limit; either
-        way the reservation is consumed.
-        """
-        self._reserved -= 1
-        n = len(prompt_token_ids)
+    def submit(self, request: EngineRequest, seats: Reservation, tenant: str | None = None) -> RequestStream:
+        """Hand a request built by `input_processor.process` to the engine, with one of `seats` (taken even when
+        this raises OverloadedError, past the queued-token limit). The caller must `close()` the stream. It runs
+        as its `request_id`, or with a suffix while that is still in use (`unused_id`); the stream's `request_id`
+        says which."""
+        seats.take()
+        n = len(request.prompt_token_ids)
         limit = self.limits.max_queued_tokens
         if limit is not None and self._queued_tokens > 0 and self._queued_tokens + n > limit:
             raise OverloadedError(f"server overloaded: {self._queued_tokens} prompt tokens queued "
                                   f"(limit {limit})",
                                   self.retry_after(self.engine.prefill_time(self._queued_tokens + n - limit)))
-        if (rid := unused_id(request_id, self.in_use)) != request_id:
-            logger.info("request id %s is still in use in the engine; running it as %s", request_id, rid)
-            request_id = rid
+        if (rid := unused_id(request.request_id, self.in_use)) != request.request_id:
+            logger.info("request id %s is still in use in the engine; running it as %s", request.request_id, rid)
+            request = dataclasses.replace(request, request_id=rid)
         seated = self.engine.has_seat(n)  # a seat is free for it now: it waits only for the prefill ahead
-        self.engine.add_request(request_id, prompt_token_ids, params)
-        stream = _Stream(n, owner)
-        self._streams[request_id] = stream
+        self.engine.add(request)
+        stream = _Stream(n, tenant)
+        self._streams[request.request_id] = stream
         self._queued_tokens += n
         if seated:
-            self._mark_scheduled([request_id])
+            self._mark_scheduled([request.request_id])
         self._wake.set()
-        return RequestStream(self, request_id, stream)
+        return RequestStream(self, request.request_id, stream)
 
     def _close(self, request_id: str, stream: _Stream, finished: bool) -> None:
         if self._streams.pop(request_id, None) is None:
@@ -386,8 +342,8 @@ class AsyncEngine(AdmissionRules):
 class RequestStream:
     """Async iterator over one request's outputs; `close()` before the end aborts it (client gone)."""
 
-    def __init__(self, owner: AsyncEngine, request_id: str, stream: _Stream) -> None:
-        self.owner = owner
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
+        self.engine = engine
         self.request_id = request_id
         self._stream = stream
         self.finished = False
@@ -404,7 +360,7 @@ class RequestStream:
             raise item
         if item.finished:
             self.finished = True
-            self.owner._close(self.request_id, self._stream, True)
+            self.engine._close(self.request_id, self._stream, True)
         return item
 
     @property
@@ -428,4 +384,4 @@ class RequestStream:
         await self._stream.scheduled.wait()
 
     def close(self) -> None:
-        self.owner._close(self.request_id, self._stream, self.finished)
+        self.engine._close(self.request_id, self._stream, self.finished)

@@ -62,17 +62,17 @@ class LLM:
                                for p, x in zip(sampling_params, priority)]
         base = next(_calls)
         ids = [f"gen-{base}-{i}" for i in range(len(prompts))]
-        prompt_ids = {}
-        for rid, prompt, params in zip(ids, prompts, sampling_params):  # all checked before any is queued
-            prompt_ids[rid] = self.engine.tokenize(prompt)
-            self.engine.validate(prompt_ids[rid], params or SamplingParams())
+        # all built and checked before any is queued
+        requests = [self.engine.input_processor.process(rid, prompt, params)
+                    for rid, prompt, params in zip(ids, prompts, sampling_params)]
         done: dict[str, GenerationResult] = {}
-        results = {rid: GenerationResult(rid, prompt_ids[rid], "", [], "", 0, None) for rid in ids}
+        results = {r.request_id: GenerationResult(r.request_id, r.prompt_token_ids, "", [], "", 0, None)
+                   for r in requests}
         submitted: list[str] = []
         try:
-            for rid, params in zip(ids, sampling_params):
-                self.engine.add_request(rid, prompt_ids[rid], params)
-                submitted.append(rid)
+            for request in requests:
+                self.engine.add(request)
+                submitted.append(request.request_id)
             self._run(ids, results, done)
         except BaseException:  # nothing of this call may stay queued (KeyboardInterrupt included)
             for rid in submitted:

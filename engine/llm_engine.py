@@ -19,7 +19,7 @@ from pagedserve.engine import allocator
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.config import EngineConfig, make_config, resolve_dtype
 from pagedserve.engine.errors import InvalidRequestError
-from pagedserve.engine.input_processor import InputProcessor
+from pagedserve.engine.input_processor import EngineRequest, InputProcessor
 from pagedserve.engine.layers.dispatch import kernel_table
 from pagedserve.engine.model_runner import ModelRunner, StepInput
 from pagedserve.engine.models.llama import LlamaModel
@@ -30,7 +30,7 @@ from pagedserve.engine.quant.loading import QuantSpec
 from pagedserve.engine.sampler import SampleRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import DEFAULT_PREFILL_MS_PER_TOKEN, Scheduler, SchedulerStats
-from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.sequence import Sequence, StopMatch
 from pagedserve.engine.snapshot import EngineSnapshot, StepRecord
 from pagedserve.engine.snapshot import take as take_snapshot
 from pagedserve.engine.spec_decode import SpecStats, build_speculator
@@ -115,7 +115,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.cost_model)
         self.speculator = build_speculator(config, self.model_config, self.runner.num_blocks, max_len, self.device,
                                            self.cost_model)
-        self.output_processor = OutputProcessor(self.scheduler.finish)
+        self.output_processor = OutputProcessor()
         # The engine thread detokenizes while other threads encode: HF fast tokenizers mutate state on
         # encode ("Already borrowed"), so the detokenizer gets its own copy.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
@@ -123,8 +123,8 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids |= {self.tokenizer.eos_token_id}
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
-        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, max_len, self.structured,
-                                     config.scheduler.scheduling_policy)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, max_len, self.structured,
+                                              config.scheduler.scheduling_policy)
         self._requests: dict[str, RequestState] = {}
         self._adds: list[Sequence] = []  # since the last step (the inbox), under _lock
         self._aborts: list[str] = []
@@ -206,45 +206,41 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt. Any thread; O(prompt size), so servers call it off their event loop."""
-        return self.inputs.tokenize(prompt)
-
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Chat messages (and tools, for templates that take them) -> prompt token ids. Any thread."""
-        return self.inputs.encode_chat(messages, tools)
-
-    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
-        """Refuse a text that cannot fit the context whatever its tokens, before paying to tokenize it."""
-        self.inputs.check_prompt_chars(num_chars, param)
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Check a tokenized request; return its resolved max_tokens. Raises InvalidRequestError."""
-        return self.inputs.validate(prompt_token_ids, params)
+        return self.input_processor.tokenize(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int | None = None) -> int:
         """Queue a request (a string or token ids). Returns the prompt's token count. `priority` (vLLM's keyword;
-        lower runs first, under --scheduling-policy priority) overrides `params.priority`."""
+        lower runs first, under --scheduling-policy priority) overrides `params.priority`. Builds the request
+        with `input_processor.process` in the calling thread, then `add`s it."""
         params = params or SamplingParams()
         if priority is not None and priority != params.priority:
             params = dataclasses.replace(params, priority=priority)  # params may be shared by other requests
-        ids = self.tokenize(prompt)
-        max_tokens = self.validate(ids, params)
-        with self._lock:  # checked early too, so that a duplicate costs nothing below
-            if request_id in self._requests:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        seq = Sequence(next(self._seq_ids), request_id, ids, params, max_tokens, self.eos_token_ids,
-                       arrival_time=arrival_time or time.monotonic())
+        with self._lock:  # early too, so that a duplicate costs nothing below
+            self._check_unused(request_id)
+        request = self.input_processor.process(request_id, prompt, params, arrival_time=arrival_time)
+        self.add(request)
+        return len(request.prompt_token_ids)
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request built by `input_processor.process`, trusted as it is. Any thread."""
+        ids, params = request.prompt_token_ids, request.params
+        seq = Sequence(next(self._seq_ids), request.request_id, ids, params, request.max_tokens, self.eos_token_ids,
+                       arrival_time=request.arrival_time or time.monotonic())
         generator = None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
         req = RequestState(seq, IncrementalDetokenizer(self._detok_tokenizer, ids), StopStringMatcher(params.stop),
-                       SampleRequest(params, [], generator, self.structured.constraint_for(params)))
+                           SampleRequest(params, [], generator, request.constraint))
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
         with self._lock:
-            if request_id in self._requests:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-            self._requests[request_id] = req
+            self._check_unused(request.request_id)
+            self._requests[request.request_id] = req
             self._adds.append(seq)
-        return len(ids)
+
+    def _check_unused(self, request_id: str) -> None:
+        """Under _lock."""
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -351,21 +347,19 @@ class LLMEngine:
             self.speculator.observe(sched.seqs, sched.num_new_tokens, sampled)
         for i, (start, entries) in prompt_lps.items():
             reqs[i].add_prompt_logprobs(start, entries)
-        # max_tokens=0 (prompt scoring): the prompt is done, nothing is generated
-        prompt_only = [r for i, r in enumerate(reqs) if r.seq.max_tokens == 0 and sampled[i] is not None]
-        sampled = [None if r.seq.max_tokens == 0 else t for r, t in zip(reqs, sampled)]
         lp_of = {s.seq_id: lp for s, lp in zip(sched.seqs, logprobs) if lp is not None}
         num_before = {s.seq_id: s.num_tokens for s in sched.seqs}
-        for seq in self.scheduler.update(sched, sampled):
-            out = self.output_processor.process(self._requests[seq.request_id], lp_of.get(seq.seq_id),
-                                                num_before[seq.seq_id])
+        req_of = {s.seq_id: r for s, r in zip(sched.seqs, reqs)}
+
+        def observe(seq: Sequence, token: int) -> StopMatch | None:
+            return self.output_processor.observe(req_of[seq.seq_id], token, lp_of.get(seq.seq_id))
+
+        # the scheduler appends each token, the output processor reads it, check_stop decides; then the outputs
+        for seq in self.scheduler.update(sched, sampled, observe):
+            out = self.output_processor.process(req_of[seq.seq_id], num_before[seq.seq_id])
             outputs.append(out)
             if out.finished:
                 self._forget(seq)
-        for r in prompt_only:
-            self.scheduler.finish(r.seq, SequenceStatus.FINISHED_LENGTH)
-            outputs.append(self.output_processor.final(r))
-            self._forget(r.seq)
         return outputs
 
     def _run(self, step: StepInput):

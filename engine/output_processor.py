@@ -1,21 +1,21 @@
 """From sampled tokens to what a client sees: detokenized text, stop strings, logprobs, grammar, finish reasons.
 
 Per request a `RequestState` holds an incremental detokenizer, a stop-string matcher, the logprobs held back
-while their text is held back, and the prompt logprobs as the prompt is computed. `OutputProcessor.process`
-takes the tokens a step appended to a sequence and returns one `RequestOutput`. A stop string (or a grammar
-that is complete) ends the request through the `finish` callback the engine gives it (the scheduler's), and
-truncates tokens after the stop: accepted speculative drafts past it never happened.
+while their text is held back, and the prompt logprobs as the prompt is computed. The processor only reads the
+sequence, in two moves per step: `observe` reads each token as the scheduler appends it (detokenizing it, feeding
+the stop-string matcher and the grammar) and reports a stop string or a complete grammar, which the scheduler's
+`check_stop` turns into a finish (so accepted speculative drafts after a stop never reach the sequence); then
+`process` turns what the step appended into one `RequestOutput`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.engine.sampler import SampleRequest, TokenLogprob
-from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.sequence import Sequence, SequenceStatus, StopMatch
 from pagedserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 logger = logging.getLogger(__name__)
@@ -79,31 +79,28 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Stateless between requests; `finish(seq, status)` ends a running sequence (the scheduler's)."""
+    """Stateless between requests; reads sequences, never changes them (their state is the scheduler's)."""
 
-    def __init__(self, finish: Callable[[Sequence, SequenceStatus], None]) -> None:
-        self.finish = finish
+    def observe(self, req: RequestState, token: int, logprob: TokenLogprob | None) -> StopMatch | None:
+        """Read a token just appended to `req.seq`: advance its grammar, detokenize it, hold its logprob with its
+        text, look for a stop string. Reports what may end the request; the scheduler's `check_stop` decides."""
+        match = None
+        constraint = req.sample.constraint
+        if constraint is not None and constraint.matcher is not None:  # constrained requests do not speculate
+            if self._advance_grammar(req, token):
+                match = StopMatch.GRAMMAR_COMPLETE
+        delta = req.detokenizer.push([token])
+        if logprob is not None:  # requests with logprobs do not speculate: one token
+            req.held_logprobs.append((req.text_fed, logprob))
+        req.text_fed += len(delta)
+        req.stop.feed(delta)
+        return StopMatch.STOP_STRING if req.stop.stopped else match
 
-    def process(self, req: RequestState, logprob: TokenLogprob | None, num_before: int) -> RequestOutput:
-        """Output for the tokens appended since `num_before` (several when drafts were accepted)."""
+    def process(self, req: RequestState, num_before: int) -> RequestOutput:
+        """Output for the tokens appended since `num_before` (several when drafts were accepted), once the step's
+        stop check has run: a finished request releases what it held back, except text a stop string cut off."""
         seq = req.seq
         tokens = seq.token_ids[num_before:]
-        for j, token in enumerate(tokens):
-            if req.sample.constraint is not None and req.sample.constraint.matcher is not None:
-                self._advance_grammar(req, token)  # constrained requests do not speculate: one token
-            delta = req.detokenizer.push([token])
-            if logprob is not None:  # requests with logprobs do not speculate: one token
-                req.held_logprobs.append((req.text_fed, logprob))
-            req.text_fed += len(delta)
-            req.stop.feed(delta)
-            if req.stop.stopped:
-                del seq.token_ids[num_before + j + 1:]  # accepted drafts after a stop string never happened
-                tokens = tokens[:j + 1]
-                if not seq.is_finished:
-                    self.finish(seq, SequenceStatus.FINISHED_STOPPED)
-                else:  # the stop string completed on the last allowed token: it stopped, it was not cut short
-                    seq.status = SequenceStatus.FINISHED_STOPPED
-                break
         text = req.stop.take(final=seq.is_finished)
         req.text_sent += len(text)
         lps = self._release_logprobs(req, everything=seq.is_finished and not req.stop.stopped)
@@ -120,15 +117,15 @@ class OutputProcessor:
         req.held_logprobs.clear()  # what is left was cut off by a stop string
         return self._output(req, tokens, text, lps)
 
-    def _advance_grammar(self, req: RequestState, token: int) -> None:
-        """Feed the accepted token to the request's grammar; a complete grammar ends the request ("stop")."""
+    @staticmethod
+    def _advance_grammar(req: RequestState, token: int) -> bool:
+        """Feed the accepted token to the request's grammar; True once the grammar is complete."""
         seq, matcher = req.seq, req.sample.constraint.matcher
         if matcher.num_consumed != seq.num_output_tokens - 1:
             matcher.sync(seq.output_token_ids[:-1])
         if not matcher.accept(token):
             logger.warning("request %s: token %d rejected by its grammar: %s", seq.request_id, token, matcher.error)
-        if matcher.is_terminated and not seq.is_finished:
-            self.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        return matcher.is_terminated
 
     @staticmethod
     def _release_logprobs(req: RequestState, everything: bool) -> list[TokenLogprob]:

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.config import SchedulerConfig
-from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.sequence import Sequence, SequenceStatus, StopMatch
 from pagedserve.engine.step_cost import StepCostModel
 
 MIN_PREFILL_TOKENS = 32  # per step, whatever the time target: prompts always advance
@@ -71,6 +72,45 @@ class SchedulerStats:
     generation_tokens: int = 0
     prefix_cache_queries: int = 0  # tokens looked up at admission
     prefix_cache_hits: int = 0  # of which found in the cache
+
+
+def check_stop(seq: Sequence, match: StopMatch | None = None) -> SequenceStatus | None:
+    """Whether `seq` ends after the token just appended (a prompt-only request: after its prompt), and why. The one
+    place a finish is decided; only an abort (the client's decision) ends a request otherwise.
+
+    In this order: a prompt-only request (max_tokens=0) is done ("length"); a stop string (`match`, from the output
+    processor), EOS or a stop token ends it as "stop", even on the last allowed token; max_tokens as "length"; a
+    complete grammar as "stop" only before that."""
+    if seq.max_tokens == 0:
+        return SequenceStatus.FINISHED_LENGTH
+    if match is StopMatch.STOP_STRING:
+        return SequenceStatus.FINISHED_STOPPED
+    last = seq.token_ids[-1]
+    if (not seq.params.ignore_eos and last in seq.eos_token_ids) or last in seq.params.stop_token_ids:
+        return SequenceStatus.FINISHED_STOPPED
+    if seq.num_output_tokens >= seq.max_tokens:
+        return SequenceStatus.FINISHED_LENGTH
+    if match is StopMatch.GRAMMAR_COMPLETE:
+        return SequenceStatus.FINISHED_STOPPED
+    return None
+
+
+# Reads a token just appended to a sequence (the output processor: text, stop strings, grammar)
+Observe = Callable[[Sequence, int], StopMatch | None]
+
+
+def append_until_stop(seq: Sequence, tokens: list[int], observe: Observe | None = None) -> SequenceStatus | None:
+    """Append a step's tokens to `seq` one by one, each read by `observe` and then judged by `check_stop`: the first
+    that ends the request is its last (accepted drafts after it never happened). A prompt-only request appends
+    nothing. Returns how it ended, or None."""
+    for t in tokens:
+        match = None
+        if seq.max_tokens:
+            seq.append_token(t)
+            match = observe(seq, t) if observe is not None else None
+        if (status := check_stop(seq, match)) is not None:
+            return status
+    return None
 
 
 def admission_key(seq: Sequence) -> tuple[bool, float]:
@@ -112,7 +152,8 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, status: SequenceStatus, queue: list[Sequence] | None = None) -> None:
-        """End a running sequence (EOS, stop string, length), or abort one of `queue`, and release its blocks."""
+        """End a running sequence (as `check_stop` decided), or abort one of `queue`, and release its blocks: the
+        only place a sequence's status becomes a finished one."""
         (self.running if queue is None else queue).remove(seq)
         self.block_manager.free(seq)
         seq.status = status
@@ -319,8 +360,10 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.add(seq)
 
-    def update(self, out: SchedulerOutput, sampled: list[int | list[int] | None]) -> list[Sequence]:
-        """Advance computed counts, append sampled tokens, finish on token-level stops.
+    def update(self, out: SchedulerOutput, sampled: list[int | list[int] | None],
+               observe: Observe | None = None) -> list[Sequence]:
+        """The step's postprocessing: advance computed counts, append sampled tokens (each read by `observe`),
+        finish the sequences `check_stop` ends and release their blocks.
 
         A speculating sequence gets a list: its accepted draft tokens plus one token of the target's own.
         Rejected drafts are rolled back from `num_computed_tokens` and their blocks given back.
@@ -338,13 +381,9 @@ class Scheduler:
             if drafts:
                 seq.num_computed_tokens += n - (drafts - (len(tokens) - 1))  # accepted drafts' K/V is valid
                 seq.spec_token_ids.clear()
-            status = None
-            for t in tokens:
-                seq.append_token(t)
-                self.stats.generation_tokens += 1
-                status = seq.check_stop_token()
-                if status is not None:
-                    break  # anything after a stop token is dropped
+            before = seq.num_tokens
+            status = append_until_stop(seq, tokens, observe)
+            self.stats.generation_tokens += seq.num_tokens - before
             got_token.append(seq)
             if status is not None:
                 self.finish(seq, status)

@@ -9,6 +9,14 @@ from dataclasses import dataclass, field
 from pagedserve.engine.sampling_params import SamplingParams
 
 
+class StopMatch(enum.Enum):
+    """What the output processor read in a new token that may end its request; the scheduler's `check_stop`
+    decides whether it does."""
+
+    STOP_STRING = "stop_string"  # a stop string ends within this token's text: nothing after it is output
+    GRAMMAR_COMPLETE = "grammar_complete"  # the request's grammar allows no token but EOS after this one
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -79,12 +87,3 @@ class Sequence:
         self.token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
-
-    def check_stop_token(self) -> SequenceStatus | None:
-        """Finish on EOS / stop token ids / max_tokens, after a token was appended."""
-        last = self.token_ids[-1]
-        if (not self.params.ignore_eos and last in self.eos_token_ids) or last in self.params.stop_token_ids:
-            return SequenceStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH
-        return None

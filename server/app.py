@@ -7,7 +7,7 @@ import functools
 import importlib.resources
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +22,8 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.engine.async_engine import AdmissionRules, AsyncEngine, EngineDeadError, ShuttingDownError
-from pagedserve.engine.input_processor import InputProcessor
+from pagedserve.engine.async_engine import AsyncEngine, EngineDeadError, ShuttingDownError
+from pagedserve.engine.client import EngineClient, NoEngineViewError
 from pagedserve.engine.llm_engine import EngineStats, LLMEngine
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.connections import protocol_class
@@ -116,10 +116,10 @@ def openapi_document(app: FastAPI, vocab_size: int | None = None, max_output_tok
 
 
 class ServerState:
-    """What the routes need; `engine` is set once the model has loaded (`app.state.pagedserve`)."""
+    """What the routes need; `client` is set once the model has loaded (`app.state.pagedserve`)."""
 
     def __init__(self, config: ServerConfig) -> None:
-        self.engine: AdmissionRules | None = None  # an AsyncEngine, or a Fleet of replicas on Ray
+        self.client: EngineClient | None = None  # an AsyncEngine, or a Fleet of replicas on Ray
         self.load_error: BaseException | None = None
         self.draining = False  # set by `drain`: no new requests, /ready says 503
         self.on_load_error: Callable[[], None] | None = None  # `pagedserve serve` stops the server
@@ -131,57 +131,52 @@ class ServerState:
         self.metrics.observe(outputs)
         self.live.observe(outputs)
 
-    def inputs(self) -> InputProcessor | None:
-        """What checks requests for the loaded model (the engine's or, with replicas, the ingress's), else None."""
-        engine = getattr(self.engine, "engine", None)
-        return getattr(engine, "inputs", engine)
-
-    def stats(self) -> EngineStats | dict[str, EngineStats] | None:
-        if self.engine is None or not self.engine.alive:  # a dead engine's gauges would be stale
+    def stats(self) -> EngineStats | Mapping[str, EngineStats] | None:
+        if self.client is None or not self.client.alive:  # a dead engine's gauges would be stale
             return None
-        return self.engine.stats()
+        return self.client.stats()
 
     def check_alive(self) -> None:
         """Liveness: raises once the process can no longer serve (the load failed, the engine loop died)."""
-        if self.load_error is not None or (self.engine is not None and not self.engine.alive):
-            self.ready_engine()
+        if self.load_error is not None or (self.client is not None and not self.client.alive):
+            self.ready_client()
 
-    def admitting_engine(self) -> AsyncEngine:
-        """The engine, for a new request: refused while draining."""
+    def admitting_client(self) -> EngineClient:
+        """The client, for a new request: refused while draining."""
         if self.draining:
             raise APIError(503, "the server is shutting down", "service_unavailable", code="server_shutting_down",
                            headers={"Retry-After": "1"})
-        return self.ready_engine()
+        return self.ready_client()
 
     async def drain(self, timeout_s: float) -> None:
         """A graceful stop: admit nothing new, let what runs finish for up to `timeout_s`, then end the rest with
         an error (a stream's error event and [DONE], a 503 otherwise) and wait for those answers to go out."""
         self.draining = True
-        engine = self.engine
-        if engine is None or not engine.alive:
+        client = self.client
+        if client is None or not client.alive:
             return
         loop = asyncio.get_running_loop()
-        logger.info("draining: %d requests in flight, %g s to finish", engine.in_flight, timeout_s)
+        logger.info("draining: %d requests in flight, %g s to finish", client.in_flight, timeout_s)
         deadline = loop.time() + timeout_s
-        while engine.in_flight and loop.time() < deadline:
+        while client.in_flight and loop.time() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        if engine.in_flight:
-            logger.warning("draining: ending %d requests still in flight after %g s", engine.in_flight, timeout_s)
-            engine.fail_all(ShuttingDownError())
+        if client.in_flight:
+            logger.warning("draining: ending %d requests still in flight after %g s", client.in_flight, timeout_s)
+            client.fail_all(ShuttingDownError())
             deadline = loop.time() + FAIL_GRACE_S
-            while engine.in_flight and loop.time() < deadline:
+            while client.in_flight and loop.time() < deadline:
                 await asyncio.sleep(DRAIN_POLL_S)
 
-    def ready_engine(self) -> AsyncEngine:
-        if self.engine is None:
+    def ready_client(self) -> EngineClient:
+        if self.client is None:
             if self.load_error is not None:
                 raise APIError(503, "the model failed to load (see the server log)", "service_unavailable",
                                code="engine_unavailable")
             raise APIError(503, "the model is still loading", "service_unavailable", code="engine_loading",
                            headers={"Retry-After": "5"})
-        if not self.engine.alive:
+        if not self.client.alive:
             raise engine_dead(EngineDeadError())
-        return self.engine
+        return self.client
 
 
 def start_local(engine: LLMEngine, config: ServerConfig, on_outputs: Callable, loop) -> AsyncEngine:
@@ -194,13 +189,13 @@ def start_local(engine: LLMEngine, config: ServerConfig, on_outputs: Callable, l
 def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: Callable = start_local,
                tracing: Tracing | None = None, echo_ids: bool = True) -> FastAPI:
     """`engine_factory` runs in a background thread at start-up; /ready answers 503 until it returns. `start`
-    turns what it built into what the pipeline drives: an AsyncEngine here, a Fleet of replicas on Ray
+    turns what it built into the EngineClient the pipeline drives: an AsyncEngine here, a Fleet of replicas on Ray
     (server/ray_app.py), called as start(built, config, on_outputs, loop). `tracing`: where request spans go
     (server/otel.py's Tracing; default: --otlp-traces-endpoint's collector, if set). `echo_ids`: answer with the
     request's X-Request-Id (not where a proxy in front does it already: Ray's)."""
     state = ServerState(config)
     tracing = tracing or tracing_from(config.otlp_traces_endpoint)
-    serving = Serving(state.admitting_engine, config.served_model_name, config.prefix_cache_per_key,
+    serving = Serving(state.admitting_client, config.served_model_name, config.prefix_cache_per_key,
                       config.disconnect_poll_s, config.max_output_tokens)
 
     @asynccontextmanager
@@ -209,20 +204,20 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
 
         def load() -> None:
             try:
-                engine = engine_factory()
-                state.engine = start(engine, config, state.observe, loop)  # an AsyncEngine warms up first
+                state.client = start(engine_factory(), config, state.observe, loop)  # an AsyncEngine warms up first
             except BaseException as e:  # noqa: BLE001 - reported through /health and /ready
                 logger.exception("model failed to load")
                 state.load_error = e
                 if state.on_load_error is not None:
                     state.on_load_error()
                 return
-            logger.info("ready: serving %s (max_model_len %d)", config.served_model_name, engine.max_model_len)
+            logger.info("ready: serving %s (max_model_len %d)", config.served_model_name,
+                        state.client.input_processor.max_model_len)
 
         threading.Thread(target=load, name="pagedserve-load", daemon=True).start()
         yield
-        if state.engine is not None:
-            state.engine.shutdown()
+        if state.client is not None:
+            state.client.shutdown()
         if tracing is not None:
             tracing.shutdown()  # sends the spans still batched
 
@@ -238,7 +233,7 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
                                                    model_name=config.served_model_name))
 
     def openapi() -> dict[str, Any]:  # built again once, when the model has loaded
-        inputs = state.inputs()
+        inputs = state.client.input_processor if state.client is not None else None
         return document(vocab_size=getattr(inputs, "vocab_size", None),
                         priorities=None if inputs is None else inputs.scheduling_policy == "priority")
 
@@ -295,14 +290,14 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
     async def ready():
         """Readiness: 200 once the model is loaded and the engine loop runs, until the server starts draining
         (SIGTERM); 503 otherwise, so a load balancer sends requests elsewhere. Never behind the API key."""
-        state.admitting_engine()
+        state.admitting_client()
         return Health()
 
     @app.get("/v1/models", response_model=ModelList, responses=_errors(401, 503))
     async def models():
-        engine = state.ready_engine().engine
+        inputs = state.ready_client().input_processor
         name = config.served_model_name
-        return ModelList(data=[ModelCard(id=name, created=now(), root=name, max_model_len=engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, created=now(), root=name, max_model_len=inputs.max_model_len)])
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={
         200: {"description": "Prometheus text format, under vLLM's metric names",
@@ -315,19 +310,20 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
         """What the engine is doing now: counts, the last step, the KV pool block by block, who holds what; ids
         only for the caller's own requests, never any text. Built by the engine loop between two steps. (With
         --replicas each replica has its own pool: 404.)"""
-        aeng = state.ready_engine()
-        if not hasattr(aeng, "snapshot"):
-            raise APIError(404, "the engine view is served by a single server, not by --replicas",
-                           "invalid_request_error", code="not_found")
+        client = state.ready_client()
         try:
-            snap = await aeng.snapshot(STATE_TIMEOUT_S)
+            snap = await client.snapshot(STATE_TIMEOUT_S)
+        except NoEngineViewError as e:
+            raise APIError(404, "the engine view is served by a single server, not by --replicas",
+                           "invalid_request_error", code="not_found") from e
         except EngineDeadError as e:
             raise engine_dead(e) from e
         except asyncio.TimeoutError as e:  # one step longer than this: a huge prefill chunk on a slow machine
             raise APIError(503, f"the engine did not finish its step within {STATE_TIMEOUT_S:g} s",
                            "service_unavailable", code="engine_busy", headers={"Retry-After": "1"}) from e
-        spec = aeng.engine.speculator.stats if aeng.engine.speculator is not None else None
-        return engine_state(snap, config.served_model_name, tenant(raw), aeng.owner, state.live,
+        stats = client.stats()  # a single engine's, as it serves the view
+        spec = stats.spec_decode if isinstance(stats, EngineStats) else None
+        return engine_state(snap, config.served_model_name, tenant(raw), client.tenant_of, state.live,
                             state.metrics.num_overloaded, spec)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,

@@ -139,13 +139,13 @@ class EngineState(BaseModel):
     sequences: list[SequenceState]
 
 
-def engine_state(snap: EngineSnapshot, model: str, tenant: str | None, owner: Callable[[str], str | None],
+def engine_state(snap: EngineSnapshot, model: str, tenant: str | None, tenant_of: Callable[[str], str | None],
                  live: LiveWindow, rejected_429: int, spec: SpecStats | None) -> EngineState:
-    """The document for one caller: `tenant` is its API key's id (None without keys), `owner` maps a live request id
-    to its submitter's."""
+    """The document for one caller: `tenant` is its API key's id (None without keys), `tenant_of` maps a live request
+    id to its submitter's (EngineClient.tenant_of)."""
     now = time.monotonic()
-    seqs = [SequenceState(seq_id=s.seq_id, request_id=s.request_id if owner(s.request_id) == tenant else None,
-                          mine=owner(s.request_id) == tenant, status="running" if s.running else "waiting",
+    seqs = [SequenceState(seq_id=s.seq_id, request_id=s.request_id if tenant_of(s.request_id) == tenant else None,
+                          mine=tenant_of(s.request_id) == tenant, status="running" if s.running else "waiting",
                           prompt_tokens=s.num_prompt_tokens, output_tokens=s.num_output_tokens,
                           computed_tokens=s.num_computed_tokens, cached_tokens=s.num_cached_tokens,
                           preemptions=s.num_preemptions, constrained=s.constrained, blocks=list(s.block_table))

@@ -1,7 +1,8 @@
 """The ingress's engine: N engine replicas behind one admission, shaped like the one AsyncEngine the pipeline
 (server/serving.py) drives, so chat, completions, SSE, errors and usage are the single server's own code.
 
-A request is tokenized and checked here (the replicas' `InputProcessor`), then dispatched: the router picks a
+It implements the same `EngineClient` (engine/client.py) as the single AsyncEngine. A request is tokenized and
+checked here (an `InputProcessor` like the replicas'), then dispatched: the router picks a
 replica, which answers first `Admitted` or `Refused` (its own admission, the authority on its queue), then
 `Scheduled` once its engine has given the request tokens (from then on it is never refused for its wait), then the
 engine's outputs. What happens on the way, in order:
@@ -24,11 +25,13 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from pagedserve.engine.async_engine import AdmissionLimits, AdmissionRules, EngineDeadError, OverloadedError, unused_id
-from pagedserve.engine.input_processor import InputProcessor
+from pagedserve.engine.async_engine import AdmissionLimits, EngineDeadError, OverloadedError, unused_id
+from pagedserve.engine.client import EngineClient, NoEngineViewError, Reservation, Seats
+from pagedserve.engine.input_processor import EngineRequest, InputProcessor
 from pagedserve.engine.llm_engine import EngineStats
 from pagedserve.engine.output_processor import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.snapshot import EngineSnapshot
 from pagedserve.server.affinity import ReplicaLoad, RoutingKey, block_chain
 
 logger = logging.getLogger(__name__)
@@ -84,21 +87,21 @@ def engine_stats(stats: Mapping) -> EngineStats:
                        int(stats.get("prefix_cache_queries", 0)), int(stats.get("prefix_cache_hits", 0)), None)
 
 
-class Fleet(AdmissionRules):
+class Fleet(EngineClient):
     """`dispatch` runs one request on some replica; `replica_stats` is what each replica last published
     (replica id -> its `record_routing_stats` dict; empty when unknown)."""
 
-    def __init__(self, inputs: InputProcessor, dispatch: Dispatch, replica_stats: Callable[[], dict[str, Mapping]],
-                 limits: AdmissionLimits, block_size: int,
+    def __init__(self, input_processor: InputProcessor, dispatch: Dispatch,
+                 replica_stats: Callable[[], dict[str, Mapping]], limits: AdmissionLimits, block_size: int,
                  on_outputs: Callable[[list[RequestOutput]], None] | None = None) -> None:
-        self.engine = inputs  # the pipeline's name for what tokenizes and validates
+        self.input_processor = input_processor
         self.dispatch = dispatch
         self.replica_stats = replica_stats
         self.limits = limits
         self.block_size = block_size
         self.on_outputs = on_outputs
         self.secret = os.urandom(32)  # the router's chain is keyed per ingress: nobody can precompute it
-        self._reserved = 0
+        self._seats = Seats()
         self._closed = False
         self._live: dict[str, FleetStream] = {}  # by id: requests whose remote call has not ended
 
@@ -116,11 +119,17 @@ class Fleet(AdmissionRules):
 
     @property
     def num_waiting(self) -> int:
-        return sum(x.num_waiting for x in self.loads()) + self._reserved
+        return sum(x.num_waiting for x in self.loads()) + self._seats.reserved
 
     @property
     def in_flight(self) -> int:
-        return len(self._live) + self._reserved
+        return len(self._live) + self._seats.reserved
+
+    async def snapshot(self, timeout: float) -> EngineSnapshot:
+        raise NoEngineViewError("each replica has its own engine")
+
+    def tenant_of(self, request_id: str) -> str | None:
+        return None  # no engine view here to show a tenant its ids
 
     def fail_all(self, error: BaseException) -> None:
         """Each request's remote call is cancelled, which aborts it in its replica's engine."""
@@ -145,7 +154,7 @@ class Fleet(AdmissionRules):
         return min(estimates, default=None)
 
     # ---- admission and submission ----------------------------------------------------------------------
-    def reserve(self) -> None:
+    def reserve(self, count: int = 1) -> Reservation:
         """Refuse early when every replica last reported a full queue; the replicas still decide for real."""
         if self._closed:
             raise EngineDeadError("the ingress is shutting down")
@@ -153,20 +162,18 @@ class Fleet(AdmissionRules):
         if loads and not any(x.can_admit for x in loads):
             raise OverloadedError(f"server overloaded: all {len(loads)} replicas have full queues",
                                   self.retry_after())
-        self._reserved += 1
+        return self._seats.hold(count)
 
-    def release(self) -> None:
-        self._reserved -= 1
-
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               owner: str | None = None) -> FleetStream:
-        """`owner` (the engine view's per-key ids) is the single server's: the fleet serves no engine view. The
-        replica runs the request under the id given here (suffixed while another live request has it, as an
-        AsyncEngine does), so the ingress's log and the replica's name one request alike."""
-        self._reserved -= 1
-        key = RoutingKey(block_chain(prompt_token_ids, self.block_size, self.secret, params.cache_salt))
-        request_id = unused_id(request_id, self._live.__contains__)
-        stream = FleetStream(self, request_id, prompt_token_ids, params, key)
+    def submit(self, request: EngineRequest, seats: Reservation, tenant: str | None = None) -> FleetStream:
+        """`tenant` (the engine view's per-key ids) is the single server's: the fleet serves no engine view. The
+        replica runs the request under its id (suffixed while another live request has it, as an AsyncEngine
+        does), so the ingress's log and the replica's name one request alike; the replica builds the request
+        again from its ids and params with its own input processor (its engine's grammar matcher included)."""
+        seats.take()
+        ids, params = request.prompt_token_ids, request.params
+        key = RoutingKey(block_chain(ids, self.block_size, self.secret, params.cache_salt))
+        request_id = unused_id(request.request_id, self._live.__contains__)
+        stream = FleetStream(self, request_id, ids, params, key)
         self._live[request_id] = stream
         stream._task.add_done_callback(lambda _: self._live.pop(request_id, None))
         return stream
@@ -176,8 +183,9 @@ class Fleet(AdmissionRules):
 
 
 class FleetStream:
-    """One request's outputs from whichever replica runs it; the same surface as AsyncEngine's RequestStream.
-    `close()` before the end cancels the remote call, which aborts the request in that replica's engine."""
+    """One request's outputs from whichever replica runs it: an OutputStream (engine/client.py), as AsyncEngine's
+    RequestStream is. `close()` before the end cancels the remote call, which aborts the request in that replica's
+    engine."""
 
     def __init__(self, fleet: Fleet, request_id: str, ids: list[int], params: SamplingParams,
                  key: RoutingKey) -> None:
@@ -243,7 +251,7 @@ class FleetStream:
                 raise OverloadedError(f"{refused.message} (every replica refused)", self.fleet.retry_after(),
                                       refused.reason)
 
-    # ---- RequestStream's surface -------------------------------------------------------------------------
+    # ---- OutputStream's surface --------------------------------------------------------------------------
     def __aiter__(self) -> FleetStream:
         return self
 

@@ -17,15 +17,15 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class _EngineCollector:
-    """Gauges and counters read from the engine at scrape time: one engine's snapshot, or a fleet's (replica id ->
-    snapshot), which adds a `replica` label and keeps the names, so a dashboard sums or splits as it likes."""
+    """Gauges and counters read at scrape time from `EngineClient.stats()`: one engine's, or a fleet's (replica id ->
+    stats), which adds a `replica` label and keeps the names, so a dashboard sums or splits as it likes."""
 
-    def __init__(self, snapshot: Callable[[], EngineStats | Mapping[str, EngineStats] | None], model_name: str) -> None:
-        self.snapshot = snapshot
+    def __init__(self, stats: Callable[[], EngineStats | Mapping[str, EngineStats] | None], model_name: str) -> None:
+        self.stats = stats
         self.model_name = model_name
 
     def collect(self):
-        snap = self.snapshot()
+        snap = self.stats()
         if snap is None:
             return
         if isinstance(snap, EngineStats):
@@ -71,7 +71,7 @@ def _spec_metrics(spec, model_name: str):
 
 
 class Metrics:
-    def __init__(self, model_name: str, snapshot: Callable[[], EngineStats | Mapping[str, EngineStats] | None]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | Mapping[str, EngineStats] | None]) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, m = self.registry, ["model_name"]
@@ -86,7 +86,7 @@ class Metrics:
         self.itl = latency("vllm:inter_token_latency_seconds", "Time between consecutive tokens.")
         self.e2e = latency("vllm:e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = latency("vllm:request_queue_time_seconds", "Arrival to first scheduled.")
-        r.register(_EngineCollector(snapshot, model_name))
+        r.register(_EngineCollector(stats, model_name))
         self.num_overloaded = 0  # 429s issued (queue full, or too late to start), for the live view without a scrape
         self._last_token: dict[str, float] = {}
 

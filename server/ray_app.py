@@ -73,13 +73,15 @@ class EngineReplica:
     async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
                        key: RoutingKey | None = None) -> AsyncIterator[Item]:
         """Admitted, Scheduled once the engine gives it tokens, then the engine's outputs; or Refused alone. `key`
-        is the router's, unused here."""
+        is the router's, unused here. The request is built again here, by this engine's input processor and off
+        the event loop (the ingress checked it alike; the grammar matcher is this engine's own)."""
         if not self._started:  # the engine thread hands outputs to the loop Ray runs this replica's calls on
             self._started = True
             self.aeng.start(asyncio.get_running_loop())
         try:
-            self.aeng.reserve()
-            stream = self.aeng.submit(request_id, ids, params)  # consumes the reservation, even when it raises
+            with self.aeng.reserve() as seats:
+                request = await asyncio.to_thread(self.aeng.input_processor.process, request_id, ids, params)
+                stream = self.aeng.submit(request, seats)  # takes the seat, even when it raises
         except OverloadedError as e:
             yield Refused(self.replica_id, str(e), e.reason)
             return
@@ -123,7 +125,7 @@ class Ingress:
 
     def _start(self, info: ReplicaInfo, config: ServerConfig, on_outputs, loop) -> Fleet:
         inputs = InputProcessor(info.tokenizer, info.vocab_size, info.max_model_len,
-                                scheduling_policy=info.scheduling_policy)
+                                scheduling_policy=info.scheduling_policy, build_constraints=False)
         self.fleet = Fleet(inputs, self._dispatch, lambda: published_stats(ENGINE), config.limits, info.block_size,
                            on_outputs)
         return self.fleet

@@ -1,10 +1,12 @@
 """The request pipeline every generation route shares: admit -> build -> submit -> collect or stream -> usage.
 
 `Serving.generate` runs it for an `Endpoint`: `ChatEndpoint` (/v1/chat/completions) or `CompletionEndpoint`
-(/v1/completions). An endpoint says only what differs: how a body becomes prompt token ids and sampling params
-(`build`, run off the event loop, since templating and tokenizing cost O(prompt)), and how outputs become its
-response or its stream chunks. Admission (the 429) is decided before anything is tokenized or streamed; every
-reservation is either handed to the engine or given back, and a client that leaves aborts its requests.
+(/v1/completions), over an `EngineClient` (engine/client.py: the single engine or the Ray fleet). An endpoint says
+only what differs: how a body becomes `EngineRequest`s (`build`, which translates its dialect into prompt ids and
+sampling params and has the input processor check each and compile its grammar; run off the event loop, since
+templating, tokenizing and compiling cost O(prompt) and more), and how outputs become its response or its stream
+chunks. Admission (the 429) is decided before anything is tokenized or streamed; its `Reservation` is either
+handed to the engine, a seat per request, or given back, and a client that leaves aborts its requests.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from typing import Any
 
 from fastapi import Request
 
-from pagedserve.engine.async_engine import AsyncEngine, EngineDeadError, OverloadedError, RequestStream
+from pagedserve.engine.async_engine import EngineDeadError, OverloadedError
+from pagedserve.engine.client import EngineClient, OutputStream, Reservation
 from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.input_processor import EngineRequest, InputProcessor
 from pagedserve.engine.output_processor import RequestMetrics, RequestOutput
 from pagedserve.engine.sampler import TokenLogprob
 from pagedserve.engine.sampling_params import SamplingParams
@@ -93,9 +97,9 @@ def engine_dead(e: EngineDeadError) -> APIError:
 
 @dataclass
 class Built:
-    """A request turned into engine jobs: one (prompt ids, params) per choice, prompts x n."""
+    """A body turned into engine requests: one per choice, prompts x n, each built and checked once."""
 
-    jobs: list[tuple[list[int], SamplingParams]]
+    requests: list[EngineRequest]
     prompt_tokens: int
     prompt_groups: int = 1  # distinct prompts (n choices each)
     echo: list[str] = field(default_factory=list)  # completions: the echoed prompt text per choice
@@ -151,19 +155,26 @@ class Endpoint(ABC):
     chunk_cls: type  # the model of its streamed chunks
     id_prefix: str  # of the response's id
     max_output_tokens: int | None = None  # the server's cap on a request's max_tokens (--max-output-tokens)
+    max_prompt_tokens: int | None = None  # the most prompt tokens allowed to wait (--max-queued-tokens)
 
     def __init__(self, body, model_name: str) -> None:
         self.body, self.model_name = body, model_name
         self.tokenizer = None  # the engine's, once admitted
         self.id, self.created = new_id(self.id_prefix), now()
+        self.request_id = new_id("req")  # the base of its engine requests' ids: the X-Request-Id where one came
 
     def count(self) -> int:
         """Engine requests this body becomes (prompts x n)."""
         return self.body.n
 
     @abstractmethod
-    def build(self, engine, salt: str | None) -> Built:
-        """Prompt ids and sampling params per choice (in a worker thread). Raises InvalidRequestError."""
+    def build(self, inputs: InputProcessor, salt: str | None) -> Built:
+        """The engine requests, one per choice (in a worker thread). Raises InvalidRequestError."""
+
+    def requests(self, inputs: InputProcessor, jobs: list[tuple[list[int], SamplingParams]]) -> list[EngineRequest]:
+        """Job i (prompt ids, params) as engine request `<request_id>-<i>`: checked, its grammar compiled."""
+        return [inputs.process(f"{self.request_id}-{i}", ids, params, max_prompt_tokens=self.max_prompt_tokens)
+                for i, (ids, params) in enumerate(jobs)]
 
     @abstractmethod
     def choice(self, built: Built, i: int, out: Collected):
@@ -213,9 +224,9 @@ class Endpoint(ABC):
 
 @dataclass
 class Serving:
-    """The pipeline, over an AsyncEngine that `engine()` returns when ready (raising APIError otherwise)."""
+    """The pipeline, over the EngineClient that `client()` returns when ready (raising APIError otherwise)."""
 
-    engine: Callable[[], AsyncEngine]
+    client: Callable[[], EngineClient]
     model_name: str
     prefix_cache_per_key: bool
     disconnect_poll_s: float
@@ -228,12 +239,15 @@ class Serving:
         endpoint.max_output_tokens = self.max_output_tokens
         record = request_record(raw)  # the X-Request-Id names it; its log line and span report what it did
         record.response_id = endpoint.id
+        endpoint.request_id = record.request_id or endpoint.request_id
         try:
-            aeng = self.admit(body, endpoint.count(), "n" if body.n > 1 else endpoint.param)
-            endpoint.tokenizer = aeng.engine.tokenizer
-            built = await self.build(aeng, endpoint, self.cache_salt(body, raw))
-            streams = self.submit(aeng, built, tenant(raw), record.request_id)
-            await self.wait_started(aeng, streams, raw)
+            client = self.admit(body, endpoint.count(), "n" if body.n > 1 else endpoint.param)
+            with client.reserve(endpoint.count()) as seats:  # before any tokenizing; what is not submitted goes back
+                endpoint.tokenizer = client.input_processor.tokenizer
+                endpoint.max_prompt_tokens = client.limits.max_queued_tokens
+                built = await self.build(client, endpoint, self.cache_salt(body, raw))
+                streams = self.submit(client, built, seats, tenant(raw))
+            await self.wait_started(client, streams, raw)
             if body.stream:
                 return self.stream(endpoint, built, streams,
                                    bool(body.stream_options and body.stream_options.include_usage), record)
@@ -248,27 +262,18 @@ class Serving:
             raise invalid(e, endpoint.param) from e
 
     # ---- admit ------------------------------------------------------------------------------------------
-    def admit(self, body, count: int, param: str) -> AsyncEngine:
-        """Model check, then the queue limit: both before any tokenizing or streaming. `param`: the field blamed
-        when the request alone is more than may wait (n, or the route's prompt field)."""
-        aeng = self.engine()
+    def admit(self, body, count: int, param: str) -> EngineClient:
+        """The model check, and whether the request could ever wait (`param`: the field blamed when it alone is
+        more than may wait, n or the route's prompt field); the queue's own answer is `reserve`'s."""
+        client = self.client()
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"The model `{body.model}` does not exist.", "invalid_request_error", "model",
                            "model_not_found")
-        limit = aeng.limits.max_waiting_requests
+        limit = client.limits.max_waiting_requests
         if limit is not None and count > limit:  # could never be admitted: not a 429 to retry for ever
             raise APIError(400, f"this request needs {count} sequences (prompts x n) but at most {limit} may "
                            "wait at once (--max-waiting-requests)", param=param)
-        reserved = 0
-        try:
-            for _ in range(count):
-                aeng.reserve()
-                reserved += 1
-        except OverloadedError:
-            for _ in range(reserved):
-                aeng.release()
-            raise
-        return aeng
+        return client
 
     def cache_salt(self, body, raw: Request) -> str | None:
         """The request's prefix-cache namespace: its API key's (when namespacing per key) and its own cache_salt."""
@@ -276,47 +281,37 @@ class Serving:
         return body.cache_salt if key is None else f"key:{key}\x00{body.cache_salt or ''}"
 
     # ---- build ------------------------------------------------------------------------------------------
-    async def build(self, aeng: AsyncEngine, endpoint: Endpoint, salt: str | None) -> Built:
-        """`endpoint.build` off the event loop; if it fails, the admission reservations go back."""
+    async def build(self, client: EngineClient, endpoint: Endpoint, salt: str | None) -> Built:
+        """`endpoint.build` off the event loop: templating, tokenizing, every check and the grammar's compile."""
         try:
-            return await asyncio.to_thread(endpoint.build, aeng.engine, salt)
-        except BaseException as e:
-            for _ in range(endpoint.count()):
-                aeng.release()
-            if isinstance(e, ValueError) and not isinstance(e, InvalidRequestError):
-                raise APIError(400, str(e), param=endpoint.param) from e
-            raise
+            return await asyncio.to_thread(endpoint.build, client.input_processor, salt)
+        except ValueError as e:
+            if isinstance(e, InvalidRequestError):
+                raise
+            raise APIError(400, str(e), param=endpoint.param) from e
 
     # ---- submit -----------------------------------------------------------------------------------------
-    def submit(self, aeng: AsyncEngine, built: Built, owner: str | None = None,
-               request_id: str | None = None) -> list[RequestStream]:
-        """One reserved engine request per job, or none: every reservation is consumed or released. All jobs are
-        validated first, so a bad one leaves nothing behind in the engine. `owner`: the API key's id, if any.
-        Job i runs as `<request_id>-<i>` (the engine suffixes one still in use: the same id twice at once)."""
-        streams: list[RequestStream] = []
-        attempts = 0  # each submit call consumes its reservation, whether or not it succeeds
+    def submit(self, client: EngineClient, built: Built, seats: Reservation,
+               tenant: str | None = None) -> list[OutputStream]:
+        """Every built request, each with a seat of `seats`, or none: a refusal halfway closes (aborts) those
+        submitted. `tenant`: the API key's id, if any."""
+        streams: list[OutputStream] = []
         try:
-            for ids, params in built.jobs:
-                aeng.validate(ids, params)
-            base = request_id or new_id("req")
-            for i, (ids, params) in enumerate(built.jobs):
-                attempts += 1
-                streams.append(aeng.submit(f"{base}-{i}", ids, params, owner))
+            for request in built.requests:
+                streams.append(client.submit(request, seats, tenant))
         except BaseException:
             for s in streams:
                 s.close()
-            for _ in range(len(built.jobs) - attempts):
-                aeng.release()
             raise
         return streams
 
-    async def wait_started(self, aeng: AsyncEngine, streams: list[RequestStream], raw: Request) -> None:
+    async def wait_started(self, client: EngineClient, streams: list[OutputStream], raw: Request) -> None:
         """Until every request has its first output, watching for a client that leaves. A stream's status line is
         sent only after this, so a refusal is still possible: when none of the requests has been scheduled within
         max_queue_wait_s they are aborted and the client gets 429 + Retry-After, never silence. Once the scheduler
         has given one of them tokens, started work is never thrown away: a long prefill (or a preemption) is waited
         for, however long."""
-        bound = aeng.limits.max_queue_wait_s
+        bound = client.limits.max_queue_wait_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + bound if bound else math.inf
         waiters = [asyncio.ensure_future(s.wait_started()) for s in streams]
@@ -325,7 +320,7 @@ class Serving:
                 queued = not any(s.scheduled for s in streams)
                 if queued and loop.time() >= deadline:
                     raise OverloadedError(f"server overloaded: not scheduled within {bound:g} s (--max-queue-wait-s)",
-                                          aeng.retry_after(), "queue_wait")
+                                          client.retry_after(), "queue_wait")
                 poll = self.disconnect_poll_s
                 await asyncio.wait(pending, timeout=max(0, min(poll, deadline - loop.time())) if queued else poll,
                                    return_when=asyncio.FIRST_COMPLETED)
@@ -342,7 +337,7 @@ class Serving:
                 w.cancel()
 
     # ---- collect or stream ------------------------------------------------------------------------------
-    async def collect(self, streams: list[RequestStream], raw: Request) -> list[Collected]:
+    async def collect(self, streams: list[OutputStream], raw: Request) -> list[Collected]:
         """Run to completion, watching for a client that hangs up (then abort and free everything)."""
         outs = [Collected() for _ in streams]
 
@@ -363,7 +358,7 @@ class Serving:
                 s.close()
         return outs
 
-    async def stream(self, endpoint: Endpoint, built: Built, streams: list[RequestStream],
+    async def stream(self, endpoint: Endpoint, built: Built, streams: list[OutputStream],
                      include_usage: bool, record: RequestRecord | None = None) -> AsyncIterator[str]:
         """SSE data: the endpoint's chunks, the usage chunk if asked, "[DONE]". An error after the stream started
         is an error event, then [DONE] (the status line has gone already)."""
@@ -394,7 +389,7 @@ class Serving:
         yield "[DONE]"
 
 
-async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge(streams: list[OutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several engine requests (n > 1, prompt lists) in arrival order, tagged with the choice index.
     The caller closes the streams."""
     if len(streams) == 1:
@@ -403,7 +398,7 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, stream: RequestStream) -> None:
+    async def pump(i: int, stream: OutputStream) -> None:
         try:
             async for out in stream:
                 queue.put_nowait((i, out))
@@ -434,24 +429,24 @@ class ChatEndpoint(Endpoint):
     response_cls, chunk_cls = ChatCompletionResponse, ChatCompletionChunk
     id_prefix = "chatcmpl"
 
-    def build(self, engine, salt: str | None) -> Built:
+    def build(self, inputs: InputProcessor, salt: str | None) -> Built:
         b = self.body
         tools = [t.model_dump(exclude_none=True) for t in b.tools or []]
         choice = resolve_tool_choice(tools, b.tool_choice if isinstance(b.tool_choice, str | None) else
                                      b.tool_choice.model_dump())
         messages = [m.model_dump(exclude_none=True, include={"role", "name", "tool_calls", "tool_call_id"})
                     | {"content": m.text()} for m in b.messages]
-        engine.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        messages, template_tools = render_messages(messages, tools, choice, engine.tokenizer)
-        ids = engine.encode_chat(messages, tools=template_tools)
+        inputs.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        messages, template_tools = render_messages(messages, tools, choice, inputs.tokenizer)
+        ids = inputs.encode_chat(messages, tools=template_tools)
         spec = tool_grammar(tools, choice, b.parallel_tool_calls) or structured_spec(b)
         lp = (b.top_logprobs or 0) if b.logprobs else None
-        room = engine.max_model_len - len(ids)  # unasked, a cap stops at the context's end
+        room = inputs.max_model_len - len(ids)  # unasked, a cap stops at the context's end
         self.output_tokens(b.max_tokens, "max_tokens", None)  # both within the cap, though one is used
         max_tokens = self.output_tokens(b.max_completion_tokens or b.max_tokens, "max_completion_tokens" if
                                         b.max_completion_tokens else "max_tokens", room if room > 0 else None)
         jobs = [(ids, self.params(max_tokens, lp, i, salt, spec)) for i in range(b.n)]
-        return Built(jobs, len(ids), tools_on=choice.mode != "none")
+        return Built(self.requests(inputs, jobs), len(ids), tools_on=choice.mode != "none")
 
     def logprobs(self, lps: list[TokenLogprob]) -> list[TokenLogprobEntry]:
         def top(tok: int, lp: float) -> TopLogprob:
@@ -473,9 +468,9 @@ class ChatEndpoint(Endpoint):
                                                                    finish_reason=finish)])
 
     async def stream(self, built: Built, outputs):
-        for i in range(len(built.jobs)):
+        for i in range(len(built.requests)):
             yield self.chunk(i, ChatDelta(role="assistant", content=""))
-        parsers = [ToolCallParser() for _ in built.jobs] if built.tools_on else None
+        parsers = [ToolCallParser() for _ in built.requests] if built.tools_on else None
         async for i, out in outputs:
             lp = ChatLogprobs(content=self.logprobs(out.logprobs)) if self.body.logprobs and out.logprobs else None
             if parsers is not None:  # text goes through the tool-call parser: content and tool_calls deltas
@@ -503,25 +498,24 @@ class CompletionEndpoint(Endpoint):
     def count(self) -> int:
         return len(self.body.prompts()) * self.body.n
 
-    def build(self, engine, salt: str | None) -> Built:
+    def build(self, inputs: InputProcessor, salt: str | None) -> Built:
         b, prompts = self.body, self.body.prompts()
         spec = structured_spec(b)
         # echo + logprobs scores the prompt too (lm-evaluation-harness's loglikelihood), as vLLM does
         score_prompt = b.logprobs if b.echo and b.logprobs is not None else None
         for p in prompts:  # refuse what cannot fit before tokenizing anything
             if isinstance(p, str):
-                engine.check_prompt_chars(len(p), "prompt")
+                inputs.check_prompt_chars(len(p), "prompt")
         jobs, total = [], 0
         max_tokens = self.output_tokens(b.max_tokens, "max_tokens", 16)
         for p in prompts:
-            ids = engine.tokenize(p) if isinstance(p, str) else p
+            ids = inputs.tokenize(p) if isinstance(p, str) else p
             total += len(ids)
             jobs += [(ids, self.params(max_tokens, b.logprobs, i, salt, spec, prompt_logprobs=score_prompt))
                      for i in range(b.n)]
-        for ids, params in jobs[::b.n]:  # token ids in range before they are decoded for the echo
-            engine.validate(ids, params)
+        requests = self.requests(inputs, jobs)  # token ids in range before they are decoded for the echo
         echo = [(p if isinstance(p, str) else self.text(p)) if b.echo else "" for p in prompts for _ in range(b.n)]
-        return Built(jobs, total, prompt_groups=len(prompts), echo=echo)
+        return Built(requests, total, prompt_groups=len(prompts), echo=echo)
 
     def logprobs(self, lps: list[TokenLogprob], start: int = 0) -> CompletionLogprobs:
         tokens = [self.text([x.token_id]) for x in lps]
@@ -541,7 +535,8 @@ class CompletionEndpoint(Endpoint):
         lps = None
         if self.body.logprobs is not None:
             start = 0 if o.prompt_logprobs is not None else len(built.echo[i])
-            lps = self.logprobs(self.with_prompt(built.jobs[i][0], o.prompt_logprobs, o.logprobs), start)
+            prompt_ids = built.requests[i].prompt_token_ids
+            lps = self.logprobs(self.with_prompt(prompt_ids, o.prompt_logprobs, o.logprobs), start)
         return CompletionChoice(index=i, text=built.echo[i] + o.text, logprobs=lps, finish_reason=o.finish_reason)
 
     def chunk(self, i: int, text: str, finish: str | None = None, logprobs=None) -> CompletionResponse:
@@ -558,7 +553,7 @@ class CompletionEndpoint(Endpoint):
             if self.body.logprobs is not None:
                 if out.prompt_logprobs is not None:  # the echoed prompt's own entries come first, from offset 0
                     offsets[i] = 0
-                lps = self.with_prompt(built.jobs[i][0], out.prompt_logprobs, out.logprobs)
+                lps = self.with_prompt(built.requests[i].prompt_token_ids, out.prompt_logprobs, out.logprobs)
                 if lps:
                     lp = self.logprobs(lps, offsets[i])
                     offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1])

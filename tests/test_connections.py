@@ -193,4 +193,4 @@ def test_requests_that_cannot_start_in_time_get_429_and_retries_succeed(make_eng
         counted = sum(float(v) for v in re.findall(
             r'pagedserve:rejected_requests_total\{[^}]*reason="queue_wait"[^}]*\} ([0-9.e+]+)', metrics))
         assert counted == refusals  # every 429 here was a queue-wait refusal, and each was counted
-        assert state.engine.num_waiting == 0 and state.engine.engine.block_manager.num_used_blocks == 0
+        assert state.client.num_waiting == 0 and state.client.engine.block_manager.num_used_blocks == 0

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from pagedserve.engine.async_engine import AdmissionLimits, OverloadedError
+from pagedserve.engine.input_processor import EngineRequest
 from pagedserve.engine.output_processor import RequestMetrics, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server.affinity import RoutingKey
@@ -20,8 +21,9 @@ class Inputs:
     tokenizer = None
     max_model_len = 128
 
-    def validate(self, ids, params):
-        return params.max_tokens
+
+def request(rid: str, params: SamplingParams) -> EngineRequest:
+    return EngineRequest(rid, [1, 2, 3], params, params.max_tokens)
 
 
 def out(rid: str, token: int, finished: bool) -> RequestOutput:
@@ -65,8 +67,7 @@ def fleet(replicas: Replicas) -> Fleet:
 
 
 async def run(f: Fleet) -> tuple[list[str], BaseException | None]:
-    f.reserve()
-    s = f.submit("req", [1, 2, 3], SamplingParams(max_tokens=2))
+    s = f.submit(request("req", SamplingParams(max_tokens=2)), f.reserve())
     texts = []
     try:
         await s.wait_started()
@@ -118,19 +119,17 @@ def test_the_request_id_is_the_replicas_and_a_live_one_is_suffixed():
     async def main():
         f = fleet(r)
         params = SamplingParams(max_tokens=2)
-        for _ in range(2):
-            f.reserve()
-        first = Serving(lambda: f, "m", False, 0.1).submit(f, Built([([1, 2, 3], params)] * 2, 3), None, "client-7")
-        f.reserve()
-        twin = f.submit("client-7-0", [1, 2, 3], params)  # while the first is live
+        built = Built([request(f"client-7-{i}", params) for i in range(2)], 3)
+        first = Serving(lambda: f, "m", False, 0.1).submit(f, built, f.reserve(2))
+        assert f.num_waiting == 0  # each seat went with its request
+        twin = f.submit(request("client-7-0", params), f.reserve())  # while the first is live
         streams = [*first, twin]
         assert [s.request_id for s in streams] == ["client-7-0", "client-7-1", "client-7-0#2"]
         for s in streams:
             await s.wait_started()
             assert [o.text async for o in s] == ["t1", "t2"]
         await asyncio.sleep(0)  # the remote calls' ends reach the fleet
-        f.reserve()
-        again = f.submit("client-7-0", [1, 2, 3], params)
+        again = f.submit(request("client-7-0", params), f.reserve())
         assert again.request_id == "client-7-0"  # free again
         await again.wait_started()
         again.close()
@@ -147,8 +146,7 @@ def test_scheduled_reaches_the_stream_before_the_first_output_and_priority_reach
 
     async def scenario():
         f = fleet(r)
-        f.reserve()
-        s = f.submit("req", [1, 2, 3], SamplingParams(max_tokens=2, priority=-3))
+        s = f.submit(request("req", SamplingParams(max_tokens=2, priority=-3)), f.reserve())
         while not s.scheduled:
             await asyncio.sleep(0)
         assert not s._first.is_set()  # scheduled, no output yet

@@ -224,7 +224,7 @@ def test_the_document_and_docs_work_offline(fuzz_server, document):
     page = httpx.get(f"{base}/docs").text
     assert "/docs/assets/swagger-ui-bundle.js" in page and "cdn" not in page.lower()
     assert httpx.get(f"{base}/docs/assets/swagger-ui-bundle.js").status_code == 200
-    assert state.engine.engine.block_manager.num_used_blocks == 0 or state.engine.num_running
+    assert state.client.engine.block_manager.num_used_blocks == 0 or state.client.num_running
 
 
 def test_the_document_accepts_only_priority_0_without_priority_scheduling():

@@ -13,9 +13,10 @@ from pagedserve.engine.scheduler import (
     DEFAULT_PREFILL_MS_PER_TOKEN,
     Scheduler,
     admission_key,
+    check_stop,
     priority_admission_key,
 )
-from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.sequence import Sequence, SequenceStatus, StopMatch
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, policy="continuous", prefix=True,
@@ -489,3 +490,52 @@ def test_equal_priorities_schedule_exactly_as_fcfs(ops, num_blocks, block_size, 
     drive(fcfs, ops, stepper(fcfs), priority=lambda pick: 7)
     drive(prio, ops, stepper(prio), priority=lambda pick: 7)
     assert outs[id(fcfs)] == outs[id(prio)]
+
+
+def test_check_stop_decides_every_finish_in_its_order():
+    """The one stop check: a stop string, EOS or a stop token is "stop" even on the last allowed token; max_tokens is
+    "length"; a complete grammar is "stop" only before that; a prompt-only request is done at once."""
+    stop, length = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH
+
+    def after(tokens, max_tokens=3, match=None, **params):
+        q = Sequence(0, "r", [5, 6], SamplingParams(max_tokens=max_tokens, **params), max_tokens, frozenset({EOS}))
+        for t in tokens:
+            q.append_token(t)
+        return check_stop(q, match)
+
+    assert after([7]) is None and after([7, 8]) is None
+    assert after([7, EOS]) is stop and after([7, EOS], ignore_eos=True) is None
+    assert after([9], stop_token_ids=[9]) is stop and after([9], stop_token_ids=[9], ignore_eos=True) is stop
+    assert after([7, 8, 9]) is length
+    assert after([7], match=StopMatch.STOP_STRING) is stop
+    assert after([7, 8, 9], match=StopMatch.STOP_STRING) is stop  # the last allowed token completed it
+    assert after([7, 8, EOS]) is stop
+    assert after([7], match=StopMatch.GRAMMAR_COMPLETE) is stop
+    assert after([7, 8, 9], match=StopMatch.GRAMMAR_COMPLETE) is length
+    assert after([], max_tokens=0, prompt_logprobs=0) is length
+
+
+def test_update_finishes_through_the_stop_check_and_drops_tokens_after_it():
+    """Accepted drafts after a stop token never reach the sequence; a prompt-only request ends as its prompt
+    completes, without a token; what the observer reports ends a request too."""
+    s = make()
+    a, c = seq(0, 4, 8), seq(2, 4, 8)
+    b = Sequence(1, "r1", [1, 2, 3, 4], SamplingParams(max_tokens=0, prompt_logprobs=0), 0, frozenset({EOS}))
+    for q in (a, b, c):
+        s.add(q)
+    out = s.schedule()
+    assert out.sample == [True, True, True]
+    seen = []
+
+    def observe(q, token):
+        seen.append((q.seq_id, token))
+        return StopMatch.STOP_STRING if q is c else None
+
+    sampled = {0: [3, EOS, 4], 1: 9, 2: 5}
+    got = s.update(out, [sampled[q.seq_id] for q in out.seqs], observe)
+    assert [q.seq_id for q in got] == [q.seq_id for q in out.seqs] and not s.has_unfinished()
+    assert a.output_token_ids == [3, EOS] and a.status is SequenceStatus.FINISHED_STOPPED
+    assert b.output_token_ids == [] and b.status is SequenceStatus.FINISHED_LENGTH
+    assert c.output_token_ids == [5] and c.status is SequenceStatus.FINISHED_STOPPED
+    assert sorted(seen) == sorted([(0, 3), (0, EOS), (2, 5)]) and s.stats.generation_tokens == 3
+    assert s.block_manager.num_used_blocks == 0

@@ -196,7 +196,7 @@ def test_bad_completion_prompt_and_engine_still_serves(server, client):
     assert r.status_code == 400
     ok = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
     assert ok.choices[0].finish_reason == "length"
-    assert state.engine.num_waiting == 0
+    assert state.client.num_waiting == 0
 
 
 def test_metrics_parse_and_move(server, client):
@@ -281,9 +281,9 @@ def test_overload_gets_429_with_retry_after(make_engine):
 
             async with httpx.AsyncClient(timeout=300) as c:
                 tasks = [asyncio.create_task(_stream(c, base, 200)) for _ in range(2)]
-                await until(lambda: state.engine.num_running == 2)
+                await until(lambda: state.client.num_running == 2)
                 tasks += [asyncio.create_task(_stream(c, base, 200)) for _ in range(n)]
-                await until(lambda: state.engine.num_waiting == n)
+                await until(lambda: state.client.num_waiting == n)
                 sdk = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
                 with pytest.raises(openai.RateLimitError):
                     await sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
@@ -321,8 +321,8 @@ def test_idle_time_after_abandoned_requests_is_no_queue_drain(make_engine, monke
         aeng.start(asyncio.get_running_loop())
 
         def submit(rid: str, n: int):
-            aeng.reserve()
-            return aeng.submit(rid, [1, 2, 3, 4], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+            return aeng.submit(aeng.input_processor.process(rid, [1, 2, 3, 4], params), aeng.reserve())
 
         first, abandoned = submit("a", 8), submit("b", 8)
         await first.wait_started()
@@ -337,8 +337,7 @@ def test_idle_time_after_abandoned_requests_is_no_queue_drain(make_engine, monke
                 pass
             stream.close()
         assert aeng.drain_rate() is not None and aeng.drain_rate() > 1 / 10
-        aeng.reserve()  # the idle server admits: no "would start in about 300 s"
-        aeng.release()
+        aeng.reserve().release()  # the idle server admits: no "would start in about 300 s"
 
     try:
         asyncio.run(scenario())
@@ -347,9 +346,9 @@ def test_idle_time_after_abandoned_requests_is_no_queue_drain(make_engine, monke
 
 
 def _wait_idle(state, timeout: float = 30) -> None:
-    engine = state.engine.engine
+    engine = state.client.engine
     deadline = time.monotonic() + timeout
-    while engine.has_unfinished() or state.engine.num_running or engine.block_manager.num_used_blocks:
+    while engine.has_unfinished() or state.client.num_running or engine.block_manager.num_used_blocks:
         assert time.monotonic() < deadline, "requests left behind in the engine"
         time.sleep(0.05)
     engine.block_manager.check_integrity([])
@@ -487,7 +486,7 @@ def test_ready_503_while_loading_health_503_after_engine_death(make_engine):
         assert "vllm:num_requests_running" not in httpx.get(f"{base}/metrics").text
         assert httpx.get(f"{base}/health").status_code == 503
         assert httpx.get(f"{base}/ready").status_code == 503
-        assert not state.engine.alive
+        assert not state.client.alive
         engine.runner.run = original
     finally:
         server.should_exit = True
@@ -531,7 +530,7 @@ def test_queued_token_limit(make_engine, smollm):
                                                    json={"prompt": long_prompt, "max_tokens": 2}))
                 # submitted, not only admitted (AsyncEngine.num_waiting counts reservations too): the second
                 # request's tokens must be the ones that find the first's queued
-                while state.engine.engine.num_waiting + state.engine.num_running == 0:
+                while state.client.engine.num_waiting + state.client.num_running == 0:
                     await asyncio.sleep(0.01)
                 second = await c.post(f"{base}/v1/completions", json={"prompt": "Hello " * 200, "max_tokens": 2})
                 return await first, second
@@ -644,7 +643,7 @@ def test_a_request_not_scheduled_within_the_bound_gets_429_with_an_estimated_ret
         async def main():
             async with httpx.AsyncClient(timeout=120) as c:
                 long = asyncio.create_task(_stream(c, base, 60))
-                while not state.engine.num_running:
+                while not state.client.num_running:
                     await asyncio.sleep(0.02)
                 refused = await c.post(f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
                 long.cancel()  # its client leaves: aborted
@@ -686,7 +685,7 @@ def test_priority_preempts_and_a_preempted_request_is_never_refused(make_engine)
             async with httpx.AsyncClient(timeout=300) as c:
                 low = asyncio.create_task(c.post(f"{base}/v1/completions", json={
                     "prompt": low_prompt, "max_tokens": 2, "ignore_eos": True, "priority": 5}))
-                while not state.engine.num_running:
+                while not state.client.num_running:
                     await asyncio.sleep(0.02)
                 urgent = await c.post(f"{base}/v1/chat/completions", json={
                     "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "ignore_eos": True,

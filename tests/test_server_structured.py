@@ -252,7 +252,7 @@ def test_invalid_constraints_are_400(server, body, param):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
     assert err["param"] == param
-    assert state.engine.num_waiting == 0
+    assert state.client.num_waiting == 0
 
 
 def test_invalid_schema_message_names_the_problem(server):
@@ -287,7 +287,7 @@ def test_stream_aborted_mid_object_frees_blocks(server, client):
         if seen > 5:
             break
     stream.close()
-    engine = state.engine.engine
+    engine = state.client.engine
     deadline = time.monotonic() + 30
     while engine.has_unfinished() or engine.block_manager.num_used_blocks:
         assert time.monotonic() < deadline, "blocks leaked after an abort mid-object"

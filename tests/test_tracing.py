@@ -84,8 +84,7 @@ def test_an_id_the_engine_still_holds_is_suffixed(make_engine):
 
     async def main():
         def submit():
-            aeng.reserve()
-            return aeng.submit("retry-0", [1, 2, 3, 4], params)
+            return aeng.submit(aeng.input_processor.process("retry-0", [1, 2, 3, 4], params), aeng.reserve())
 
         first = submit()
         assert first.request_id == "retry-0"
@@ -167,21 +166,19 @@ def test_errors_carry_the_id(server, caplog, monkeypatch):
     assert post("e-404", chat(model="gpt-9")).status_code == 404
     assert post("e-route", chat(), path="/v1/nowhere").status_code == 404
     assert post("e-413", chat(messages=[{"role": "user", "content": "y" * 20000}])).status_code == 413
-    for _ in range(4):  # the queue, full: the next request is refused before it is tokenized
-        state.engine.reserve()
+    seats = state.client.reserve(4)  # the queue, full: the next request is refused before it is tokenized
     try:
         r = post("e-429", chat())
         assert r.status_code == 429 and r.headers["retry-after"]
     finally:
-        for _ in range(4):
-            state.engine.release()
+        seats.release()
     assert "status=429 prompt_tokens=- completion_tokens=-" in log_line(caplog, "e-429")
     assert "status=401" in log_line(caplog, "e-401") and "status=413" in log_line(caplog, "e-413")
 
     def broken():
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(state, "ready_engine", broken)  # /v1/models calls it per request: an unhandled error
+    monkeypatch.setattr(state, "ready_client", broken)  # /v1/models calls it per request: an unhandled error
     r = httpx.get(f"{base}/v1/models", headers={**KEY, "X-Request-Id": "e-500"}, timeout=60)
     assert r.status_code == 500 and r.headers["x-request-id"] == "e-500"
 
@@ -237,7 +234,7 @@ def test_streams_carry_the_id_and_the_engine_view_shows_it_and_the_same_id_twice
     assert sorted(x.split()[2] for x in lines) == ["/v1/chat/completions", "/v1/completions"]
     assert all("completion_tokens=" in x for x in lines)
     assert {x.split("finish_reason=")[1].split()[0] for x in lines} == {"length,length", "length"}
-    wait_for(lambda: state.engine.num_running == state.engine.num_waiting == 0, "idle")
+    wait_for(lambda: state.client.num_running == state.client.num_waiting == 0, "idle")
 
 
 # ---- OpenTelemetry spans -------------------------------------------------------------------------------------
