@@ -148,8 +148,7 @@ def quantized_stream(model, weights: Iterable[tuple[str, torch.Tensor | GGUFBloc
             emb = model.shard("embed_tokens.weight", to_quant(t, embedding=True))  # a TP rank's vocabulary rows
             model.embed_tokens.quantize_to(emb, dtype)
             if tied:  # one copy serves both where the formats agree (per row, or panels where our kernels run)
-                ours = table.cpp and device.type == "cpu" and emb.panels_fit()
-                same = (auto or spec.head_format == "int8") and (ours or (
+                same = (auto or spec.head_format == "int8") and (emb.our_kernels(table, device) or (
                     isinstance(emb, Int8Weight) and emb.plain and emb.group == emb.shape[1]))
                 model.lm_head.quantize_to(emb if same else model.shard("lm_head.weight", to_quant(t, head=True)))
             continue
