@@ -1,6 +1,6 @@
-"""The package list, derived from the tree: every folder with an __init__.py under engine/, server/ and benchmarks/
-installs as pagedserve.<folder>.<subfolder>..., so a new subpackage cannot be left out of the wheel. The rest of
-the metadata is in pyproject.toml."""
+"""The package list, derived from the tree: every folder with an __init__.py under engine/, server/, benchmarks/ and
+tools/ installs as pagedserve.<folder>.<subfolder>..., so a new subpackage cannot be left out of the wheel. The rest
+of the metadata is in pyproject.toml."""
 
 import os
 
@@ -9,7 +9,7 @@ from setuptools import setup
 # The folders stay at the top of the repository and install under one name (pagedserve.engine, ...): nothing
 # generic lands in site-packages.
 ROOTS = {"pagedserve": "pagedserve", "pagedserve.engine": "engine", "pagedserve.server": "server",
-         "pagedserve.benchmarks": "benchmarks"}
+         "pagedserve.benchmarks": "benchmarks", "pagedserve.tools": "tools"}
 
 
 def packages() -> list[str]:

@@ -20,13 +20,11 @@ from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.config import EngineConfig, make_config, resolve_dtype
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.input_processor import EngineRequest, InputProcessor
-from pagedserve.engine.layers.dispatch import kernel_table
-from pagedserve.engine.model_runner import ModelRunner, StepInput
+from pagedserve.engine.model_runner import StepInput, build_runner
 from pagedserve.engine.models.llama import LlamaModel
-from pagedserve.engine.models.loader import build_model, load_config
+from pagedserve.engine.models.loader import load_config
 from pagedserve.engine.models.resolver import resolve_model
 from pagedserve.engine.output_processor import OutputProcessor, RequestOutput, RequestState
-from pagedserve.engine.quant.loading import QuantSpec
 from pagedserve.engine.sampler import SampleRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import DEFAULT_PREFILL_MS_PER_TOKEN, Scheduler, SchedulerStats
@@ -77,11 +75,9 @@ class LLMEngine:
         self.model_config = load_config(model_path)
         self.device = config.torch_device()
         self.dtype = resolve_dtype(config.dtype, self.device, config.kernel_policy)
-        self.kernels = kernel_table(self.device, self.dtype, config.kernel_policy)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer or model_path)
         max_len = config.context_length(self.model_config)
         t0 = time.perf_counter()
-        torch.manual_seed(config.seed)
         self.workers = None  # tensor-parallel ranks 1..N-1 (engine/parallel/workers.py)
         tp = None
         if config.tensor_parallel_size > 1:
@@ -91,16 +87,9 @@ class LLMEngine:
 
             pin(config, 0)
         try:
-            if model is None:
-                quant = QuantSpec.from_options(config.quantization, config.quant_group_size, config.quantize_lm_head)
-                model = build_model(model_path, self.model_config, self.dtype, self.device, max_len, config.seed,
-                                    quant, self.kernels, tp)
-            elif model.rope.max_positions < max_len:
-                raise ValueError(f"the given model was built for {model.rope.max_positions} positions < {max_len}")
-            if self.workers is not None:
-                self.workers.wait_ready()
-            self.runner = ModelRunner(config, self.model_config, model, self.device, self.dtype, self.kernels, tp,
-                                      self.workers)
+            self.runner = build_runner(config, model_path, self.model_config, self.device, self.dtype, max_len,
+                                       model=model, tp=tp, workers=self.workers,
+                                       before_runner=None if self.workers is None else self.workers.wait_ready)
         except BaseException:
             self.close()
             raise

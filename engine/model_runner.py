@@ -1,10 +1,15 @@
-"""Owns the model and the KV-cache tensors; turns a scheduled step into one forward pass + sampling."""
+"""Owns the model and the KV-cache tensors; turns a scheduled step into one forward pass + sampling.
+
+`build_runner` builds a model and the runner over it, the one way the engine, each tensor-parallel worker and the
+draft proposer do.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,7 +21,9 @@ from pagedserve.engine.config import EngineConfig, ModelConfig
 from pagedserve.engine.layers.dispatch import KernelTable, kernel_table
 from pagedserve.engine.layers.fused_decode import FusedDecoder
 from pagedserve.engine.models.llama import LlamaModel
+from pagedserve.engine.models.loader import build_model
 from pagedserve.engine.prompt_logprobs import prompt_logprobs
+from pagedserve.engine.quant.loading import QuantSpec
 from pagedserve.engine.rejection_sampler import verify_batch
 from pagedserve.engine.sampler import Sampler, SampleRequest, TokenLogprob
 from pagedserve.engine.sequence import Sequence
@@ -35,6 +42,27 @@ def gpu_kv_budget(free: int, total: int, activations: int, fraction: float = DEF
     """Bytes for KV blocks: the GPU may be `fraction` full in all, and what is in use now (weights, the CUDA
     context, other processes: total - free) plus the largest step's activations is not ours to take."""
     return free - (1.0 - fraction) * total - activations
+
+
+def build_runner(config: EngineConfig, model_path: str, model_config: ModelConfig, device: torch.device,
+                 dtype: torch.dtype, max_len: int, *, model: LlamaModel | None = None, tp: TensorParallel | None = None,
+                 workers: WorkerGroup | None = None, before_runner: Callable[[], None] | None = None) -> ModelRunner:
+    """The model at `model_path` as `config` asks (its quantization, its kernel policy; `max_len` positions; this
+    rank's shard under `tp`), and the runner over it. Each caller reads `model_config` itself first, as each checks
+    it before building: the engine for its context length and shares, a worker against node 0's, the draft against
+    the target's vocabulary. `model`: pre-built (tests and benchmarks share one load). `before_runner`: called
+    between the two, because the runner's first collective needs every rank: rank 0 waits there for its workers'
+    shards, and a worker says it has built its own."""
+    table = kernel_table(device, dtype, config.kernel_policy)
+    torch.manual_seed(config.seed)
+    if model is None:
+        quant = QuantSpec.from_options(config.quantization, config.quant_group_size, config.quantize_lm_head)
+        model = build_model(model_path, model_config, dtype, device, max_len, config.seed, quant, table, tp)
+    elif model.rope.max_positions < max_len:
+        raise ValueError(f"the given model was built for {model.rope.max_positions} positions < {max_len}")
+    if before_runner is not None:
+        before_runner()
+    return ModelRunner(config, model_config, model, device, dtype, table, tp, workers)
 
 
 @dataclass(slots=True)

@@ -1,8 +1,9 @@
 """pagedserve: a small, fast, readable LLM serving engine.
 
 One name for the project's packages: `pagedserve.engine` (the engine: paged KV cache, continuous batching, the
-model and its kernels), `pagedserve.server` (the OpenAI-compatible HTTP server and the `pagedserve` command) and
-`pagedserve.benchmarks`. The engine's public names are here too, imported on first use:
+model and its kernels), `pagedserve.server` (the OpenAI-compatible HTTP server and the `pagedserve` command),
+`pagedserve.benchmarks` and `pagedserve.tools` (`pagedserve eval`, `pagedserve plan`). The engine's public
+names are here too, imported on first use:
 
     from pagedserve import LLM, SamplingParams
 """

@@ -15,8 +15,8 @@ import typing
 from pagedserve.engine.errors import ArgumentParser
 
 # subcommands with their own argument lists: the load tester, the quality harness, the memory planner
-SUBPROGRAMS = {"bench": "pagedserve.benchmarks.serve", "eval": "pagedserve.engine.quant.eval",
-               "plan": "pagedserve.engine.quant.plan"}
+SUBPROGRAMS = {"bench": "pagedserve.benchmarks.serve", "eval": "pagedserve.tools.eval",
+               "plan": "pagedserve.tools.plan"}
 
 def add_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
     """Flags for every `opt(...)` field of a config dataclass: names, types, defaults and help come from there."""

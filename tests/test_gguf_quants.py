@@ -48,8 +48,7 @@ def test_storage_equals_gguf_dequantize(tmp_path, kind):
     file_bits = 8 * blocks.data.nbytes / ref.numel()
     assert qw.bits_per_weight >= file_bits  # never fewer bits than the file: nothing was rounded away
     # laid out for our kernels (panels) and back: the same values, and row lookups (an embedding) agree
-    layout = {"Int4Weight": "panels"}.get(type(qw).__name__, True)
-    qw.lay_out(torch.device("cpu"), layout)
+    qw.lay_out(torch.device("cpu"), "panels")
     assert qw.layout == "panels" and torch.equal(qw.dequantize(), ref)
     ids = torch.tensor([0, 17, 47])
     assert torch.equal(qw.rows(ids, torch.float32), ref[ids])

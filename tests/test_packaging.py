@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 # Each folder of the tree and the name it installs under
 INSTALLED_AS = {"pagedserve": "pagedserve", "engine": "pagedserve/engine", "server": "pagedserve/server",
-                "benchmarks": "pagedserve/benchmarks"}
+                "benchmarks": "pagedserve/benchmarks", "tools": "pagedserve/tools"}
 
 
 def tree_files() -> set[str]:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pagedserve.engine.quant.plan import SHAPES, main, parse_memory, plan, shape_from_model
+from pagedserve.tools.plan import SHAPES, main, parse_memory, plan, shape_from_model
 
 
 @pytest.mark.parametrize("shape,fmt,memory,tokens", [

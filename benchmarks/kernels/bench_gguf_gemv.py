@@ -22,7 +22,6 @@ from pagedserve.benchmarks.kernels.bench_dense_linear import best_us
 from pagedserve.engine import cpu_kernels
 from pagedserve.engine.quant import formats
 from pagedserve.engine.quant.gguf_blocks import GGUFBlocks
-from pagedserve.engine.quant.int8 import Int8Weight
 
 CPU = torch.device("cpu")
 
@@ -34,7 +33,7 @@ def storage(kind: str, n: int, k: int, rng: np.random.Generator):
 
 def panels(w):
     """`w` laid out in our kernels' panels."""
-    w.lay_out(CPU, True) if isinstance(w, Int8Weight) else w.lay_out(CPU, "panels")
+    w.lay_out(CPU, "panels")
     return w
 
 

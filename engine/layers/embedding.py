@@ -11,12 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.engine.layers.dispatch import KernelTable
-from pagedserve.engine.layers.linear import lay_out_int8
-from pagedserve.engine.quant.int4 import Int4Weight
-from pagedserve.engine.quant.int8 import Int8Weight
 
 if TYPE_CHECKING:
     from pagedserve.engine.parallel.group import TensorParallel
+    from pagedserve.engine.quant.int4 import Int4Weight
+    from pagedserve.engine.quant.int8 import Int8Weight
 
 
 class Embedding(nn.Module):
@@ -34,11 +33,8 @@ class Embedding(nn.Module):
 
     def select_kernels(self, table: KernelTable, device: torch.device) -> None:
         """The layout the LM head picks where it shares this storage (a shared one is laid out once)."""
-        w = self.qweight
-        if isinstance(w, Int8Weight):
-            lay_out_int8(w, table, device)
-        elif w is not None:
-            w.lay_out(device, "panels" if table.cpp and device.type == "cpu" and w.panels_fit() else "codes")
+        if self.qweight is not None:
+            self.qweight.lay_out_rows(table, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:

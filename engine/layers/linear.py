@@ -1,13 +1,12 @@
-"""Linear: y = x W^T (+ b), W dense or in any quantized format, and every route a projection can take.
+"""Linear: y = x W^T (+ b), W dense or in any quantized format, run by the route its row count picks.
 
 `select_kernels` reads the dispatch table (engine/layers/dispatch.py) once, after the weights are loaded: it lays
 the weight out for the kernels it picks and keeps an ordered list of routes, each serving inputs of up to
 `max_rows` rows; `forward` takes the first that fits (a decode step's few rows, a prefill chunk's many), and
 `describe_routes` says which. Before `select_kernels` a Linear runs plain PyTorch, so it works unprepared.
-The routes: dense (our GEMV; oneDNN prepacked or F.linear), int8/int4 in our panels (our GEMV; our GEMM: AMX-INT8
-on int8 codes where the CPU has it, else bf16 tiles),
-int8 rows without our kernels (torch's `_weight_int8pack_mm`; a GEMM on the codes), int4 in torch's layout (its
-`_weight_int4pack_mm_for_cpu`), anything else (nf4, CUDA): dequantize, then a GEMM.
+Dense routes are chosen here: our GEMV, then oneDNN prepacked or F.linear. A quantized weight brings its own
+(`QuantWeight.select_kernels`, engine/quant/: int8/int4 in our panels, torch's int kernels, or dequantize + GEMM),
+so this module knows no format.
 """
 
 from __future__ import annotations
@@ -17,16 +16,16 @@ import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.engine.layers.dispatch import KernelTable
-from pagedserve.engine.quant.int4 import Int4Weight
-from pagedserve.engine.quant.int8 import Int8Weight
-from pagedserve.engine.quant.nf4 import NF4Weight
-from pagedserve.engine.quant.weight import GroupedWeight, QuantWeight
+
+if TYPE_CHECKING:
+    from pagedserve.engine.quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +111,9 @@ class Linear(nn.Module):
         `keep_plain`: keep the row-major one too (for our GEMV), else drop it."""
         ours = table.cpp and device.type == "cpu"
         if self.qweight is not None:
-            self.routes = tuple(_quant_routes(self.qweight, self.bias, table, device, dtype, self.row_int8))
+            routes, b = self.qweight.select_kernels(table, device, dtype, self.row_int8), self.bias
+            self.routes = tuple(routes if b is None else
+                                (Route(r.max_rows, r.kernel, lambda x, run=r.run: run(x) + b) for r in routes))
             ops = self.qweight.panel_operands() if ours else None
             self.fused_operands = None if ops is None else (ops + ([self.bias] if self.bias is not None else []),
                                                             table.quant_gemv_max_rows)
@@ -143,57 +144,6 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         fmt = self.qweight.format if self.qweight is not None else "dense"
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, format={fmt}"
-
-
-def lay_out_int8(w: Int8Weight, table: KernelTable, device: torch.device) -> None:
-    """Panels where our kernels serve the matrix (a shared embedding/LM head storage is laid out once)."""
-    w.lay_out(device, panels=table.cpp and device.type == "cpu" and w.panels_fit())
-
-
-def _quant_routes(w: QuantWeight, bias: torch.Tensor | None, table: KernelTable, device: torch.device,
-                  dtype: torch.dtype, row_int8: bool) -> list[Route]:
-    cpu = device.type == "cpu"
-    torch_dtype = torch.bfloat16 if table.torch_int_bf16 else dtype
-    if isinstance(w, Int8Weight):
-        lay_out_int8(w, table, device)
-    elif isinstance(w, Int4Weight):
-        if cpu and table.cpp and w.panels_fit():
-            w.lay_out(device, "panels")
-        elif cpu and w.torch_kernel_group():
-            w.lay_out(device, "torch", torch_dtype)
-        else:
-            w.lay_out(device, "codes")
-    else:
-        assert isinstance(w, NF4Weight), type(w)
-        w.lay_out(device)
-    if w.layout == "panels":
-        routes = [Route(table.quant_gemv_max_rows, f"{w.kind} GEMV (ours)", w.gemv), _panel_gemm(w, table, row_int8)]
-    elif w.layout == "torch":
-        routes = [Route(ANY, "torch _weight_int4pack_mm_for_cpu", padded(w.torch_matmul))]
-    elif w.layout == "rows" and w.row_scale is not None:
-        routes = [Route(ANY, "GEMM on the int8 codes", padded(w.codes_gemm))]
-        if cpu:
-            routes.insert(0, Route(table.torch_int8_max_rows, "torch _weight_int8pack_mm",
-                                   lambda x: w.torch_gemv(x, torch.bfloat16 if x.dtype == torch.bfloat16
-                                                          else torch_dtype)))
-    else:  # nf4, int4 codes, int8 rows with group-wise scales (no kernel of torch's takes them)
-        routes = [Route(ANY, "dequantize + GEMM", padded(w.dequantized_gemm))]
-    if bias is None:
-        return routes
-    return [Route(r.max_rows, r.kernel, lambda x, run=r.run: run(x) + bias) for r in routes]
-
-
-def _panel_gemm(w: GroupedWeight, table: KernelTable, row_int8: bool) -> Route:
-    """The many-row route of a weight in our panels: AMX-INT8 where the table says so (K in whole tiles, the matrix
-    large enough)."""
-    n, k = w.shape
-    if table.quant_gemm_amx and row_int8 and k % 64 == 0 and n * k >= table.quant_gemm_amx_min_weights:
-        if w.column_max is None:
-            w.column_max = w.column_absmax()
-        # no padding: our kernel keeps nothing per shape
-        gated = (lambda x: w.amx_gemm(x, silu_mul=True)) if n % 32 == 0 else None  # gate, up: whole panels
-        return Route(ANY, f"{w.kind} AMX-INT8 GEMM (ours)", w.amx_gemm, gated)
-    return Route(ANY, f"{w.kind} tiled GEMM (ours)", padded(w.gemm))
 
 
 def _shared_weights(model: nn.Module) -> set[int]:

@@ -25,11 +25,13 @@ from pagedserve.engine.quant.weight import QuantWeight
 if TYPE_CHECKING:
     from pagedserve.engine.parallel.group import TensorParallel
 
-# our fused module -> the Hugging Face projections it holds, in row order
-PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# each layer's projection modules -> the Hugging Face projections each holds, in row order
+PROJECTION_PIECES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+                     "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+# our fused modules
+PACKED_MODULES = {ours: pieces for ours, pieces in PROJECTION_PIECES.items() if len(pieces) > 1}
 # Hugging Face projection name -> (our module, piece index, number of pieces)
-PROJECTIONS = {hf: (ours, i, len(pieces)) for ours, pieces in PACKED_MODULES.items() for i, hf in enumerate(pieces)}
-PROJECTIONS |= {"o_proj": ("o_proj", 0, 1), "down_proj": ("down_proj", 0, 1)}
+PROJECTIONS = {hf: (ours, i, len(pieces)) for ours, pieces in PROJECTION_PIECES.items() for i, hf in enumerate(pieces)}
 
 
 class Attention(nn.Module):
@@ -101,6 +103,10 @@ class LlamaModel(nn.Module):
     """`tp`: this rank's place in a tensor-parallel group (None: the whole model, no collectives). A rank holds
     its shard of every projection, of the embedding and of the LM head (vocabulary rows), and `load_weights`
     takes whole checkpoint tensors and keeps only that shard."""
+
+    # what a weight loader needs to know of the network (engine/quant/loading.py quantizes these, and a stored
+    # format knows no model), as vLLM's models state their packed modules
+    projections = PROJECTION_PIECES
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()

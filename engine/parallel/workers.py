@@ -170,23 +170,16 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection | 
             conn = _dial(spec.host, spec.port + 1, spec.rank, size)
             setup = conn.recv()
         from pagedserve.engine import allocator
-        from pagedserve.engine.layers.dispatch import kernel_table
-        from pagedserve.engine.model_runner import ModelRunner
-        from pagedserve.engine.models.loader import build_model, load_config
-        from pagedserve.engine.quant.loading import QuantSpec
+        from pagedserve.engine.model_runner import build_runner
+        from pagedserve.engine.models.loader import load_config
 
-        config, dtype, device = setup.config, setup.dtype, spec.device
         allocator.tune()
-        tp = TensorParallel.connect(spec.rank, size, spec.host, spec.port, device, shm_name=spec.shm_name)
+        tp = TensorParallel.connect(spec.rank, size, spec.host, spec.port, spec.device, shm_name=spec.shm_name)
         cfg = load_config(spec.model_path)
         if cfg != setup.model_config:
             raise ValueError(f"this node's model ({spec.model_path}: {cfg}) is not node 0's ({setup.model_config})")
-        table = kernel_table(device, dtype, config.kernel_policy)
-        quant = QuantSpec.from_options(config.quantization, config.quant_group_size, config.quantize_lm_head)
-        torch.manual_seed(config.seed)
-        model = build_model(spec.model_path, cfg, dtype, device, setup.max_len, config.seed, quant, table, tp)
-        conn.send(("ready", None))
-        runner = ModelRunner(config, cfg, model, device, dtype, table, tp=tp)
+        runner = build_runner(setup.config, spec.model_path, cfg, spec.device, setup.dtype, setup.max_len, tp=tp,
+                              before_runner=lambda: conn.send(("ready", None)))
         while True:
             try:
                 message = conn.recv()

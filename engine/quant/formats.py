@@ -10,8 +10,8 @@
 
 GGUF files' own block types (Q4_0 ... Q6_K) load as int4 or int8 storage named by their type, exactly
 (engine/quant/gguf_blocks.py); a fused projection whose parts differ in type (Q4_K_M's q and k in Q4_K with v in
-Q6_K) is held as int8 over the smallest group, still exact. Which kernel multiplies by each one is
-engine/layers/linear.py's choice.
+Q6_K) is held as int8 over the smallest group, still exact. Each format chooses its kernels from the dispatch
+table (`QuantWeight.select_kernels`, engine/quant/weight.py).
 """
 
 from __future__ import annotations

@@ -10,16 +10,23 @@ CPU's vector width; the row-major codes are dropped); "codes" (row-major, dequan
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from pagedserve.engine.layers.linear import ANY, Route, padded
 from pagedserve.engine.quant.layouts import PANEL, from_panels, pack_nibbles, to_panels, unpack_nibbles
 from pagedserve.engine.quant.weight import GroupedWeight, grouped, narrow_values
+
+if TYPE_CHECKING:
+    from pagedserve.engine.layers.dispatch import KernelTable
 
 TORCH_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes `_weight_int4pack_mm_for_cpu` takes
 
 
 class Int4Weight(GroupedWeight):
     kind = "int4"
+    row_major = "codes"
     code_bits = 4
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, fmt: str = "int4",
@@ -114,12 +121,29 @@ class Int4Weight(GroupedWeight):
             self._move_to(device)
         self.layout = layout
 
+    def select_kernels(self, table: KernelTable, device: torch.device, dtype: torch.dtype,
+                       row_int8: bool = True) -> list[Route]:
+        """Our panels where our kernels serve the matrix; else, on a CPU where torch's kernel takes the groups, its
+        layout (in bf16 where the table says torch's int kernels are faster so); else row-major codes,
+        dequantized."""
+        if self.our_kernels(table, device):
+            self.lay_out(device, "panels")
+        elif device.type == "cpu" and self.torch_kernel_group():
+            self.lay_out(device, "torch", torch.bfloat16 if table.torch_int_bf16 else dtype)
+        else:
+            self.lay_out(device, "codes")
+        if self.layout == "panels":
+            return self.panel_routes(table, row_int8)
+        if self.layout == "torch":
+            return [Route(ANY, "torch _weight_int4pack_mm_for_cpu", padded(self.torch_matmul))]
+        return self.dequantized_routes()
+
     @property
     def kernel_dtype(self) -> torch.dtype | None:
         """The activation dtype torch's kernel runs in ("torch" layout only)."""
         return None if self._sz is None else self._sz.dtype
 
-    # ---- torch's kernel, in its layout (engine/layers/linear.py picks) --------------------------------------
+    # ---- torch's kernel, in its layout (`select_kernels`) ------------------------------------------------
     def _torch_kernel(self, x: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, self._kgroup, sz.to(x.dtype))
 

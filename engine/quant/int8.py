@@ -14,9 +14,12 @@ Embeddings use either as a row lookup.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
+from pagedserve.engine.layers.linear import ANY, Route, padded
 from pagedserve.engine.quant.layouts import (
     PANEL,
     int6_from_panels,
@@ -26,9 +29,13 @@ from pagedserve.engine.quant.layouts import (
 )
 from pagedserve.engine.quant.weight import GroupedWeight, narrow_values
 
+if TYPE_CHECKING:
+    from pagedserve.engine.layers.dispatch import KernelTable
+
 
 class Int8Weight(GroupedWeight):
     kind = "int8"
+    row_major = "rows"
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, fmt: str = "int8", bias: torch.Tensor | None = None,
                  scale_d: torch.Tensor | None = None, bias_d: torch.Tensor | None = None) -> None:
@@ -84,19 +91,41 @@ class Int8Weight(GroupedWeight):
         fits = self.shape[0] % PANEL == 0 and (self.group % 32 == 0 or self.group == 16)
         return fits and (self.code_bits == 8 or self.shape[1] % 32 == 0)
 
-    def lay_out(self, device: torch.device, panels: bool) -> None:
-        """Move to `device` in our kernels' panels or row-major. Once: a tied embedding and LM head share it."""
+    def lay_out(self, device: torch.device, layout: str) -> None:
+        """Move to `device` in our kernels' "panels" or row-major "rows". Once: a tied embedding and LM head share
+        it."""
         if self.layout is not None:
             return
+        if layout not in ("panels", "rows"):
+            raise ValueError(f"int8 weights are laid out in panels or rows, not {layout!r}")
         self._move_to(device)
-        self.layout = "panels" if panels else "rows"
-        if panels:
+        self.layout = layout
+        if layout == "panels":
             self._values_to_panels()
             self.codes = int6_to_panels(self.codes) if self.code_bits == 6 else int8_to_panels(self.codes)
         elif self.plain and self.scale.shape[1] == 1:  # per row or per tensor: torch's kernel applies
             self.row_scale = self.scale.expand(self.shape[0], 1).reshape(-1).float().contiguous()
 
-    # ---- torch's kernels, on rows (engine/layers/linear.py picks) -------------------------------------------
+    def select_kernels(self, table: KernelTable, device: torch.device, dtype: torch.dtype,
+                       row_int8: bool = True) -> list[Route]:
+        """Our panels where our kernels serve the matrix (the layout a row lookup takes too); else rows: with a
+        plain scale per row or per tensor, torch's `_weight_int8pack_mm` for a few rows on a CPU (in bf16 where the
+        table says torch's int kernels are faster so) and a GEMM on the codes above; with group-wise scales or a
+        bias, which no kernel of torch's takes, dequantized."""
+        self.lay_out_rows(table, device)
+        if self.layout == "panels":
+            return self.panel_routes(table, row_int8)
+        if self.row_scale is None:
+            return self.dequantized_routes()
+        routes = [Route(ANY, "GEMM on the int8 codes", padded(self.codes_gemm))]
+        if device.type == "cpu":
+            fp32_kernel = torch.bfloat16 if table.torch_int_bf16 else dtype
+            routes.insert(0, Route(table.torch_int8_max_rows, "torch _weight_int8pack_mm",
+                                   lambda x: self.torch_gemv(x, torch.bfloat16 if x.dtype == torch.bfloat16
+                                                             else fp32_kernel)))
+        return routes
+
+    # ---- torch's kernels, on rows (`select_kernels`) --------------------------------------------------------
     def torch_gemv(self, x: torch.Tensor, kernel_dtype: torch.dtype) -> torch.Tensor:
         """torch's `_weight_int8pack_mm` ("rows" with a row scale), computed in `kernel_dtype`."""
         if self.shape[1] % 32:  # its bf16 path returns garbage unless K % 32 == 0 (torch 2.13): fp32 there

@@ -4,6 +4,9 @@ The model is built on the meta device with the projections (and optionally the L
 quantized (`prepare_modules`), so no full-precision copy of those weights is ever allocated; `quantized_stream`
 turns each checkpoint tensor into its storage on the way to `LlamaModel.load_weights`.
 
+The model says which modules are its projections and which checkpoint tensors each holds (`model.projections`:
+module -> checkpoint names, in row order); nothing here knows the network.
+
 `auto` (the default) serves a GGUF's quantized tensors at the file's own bits, each type mapped exactly
 (engine/quant/gguf_blocks.py; a type with no mapping becomes int8 rows), as llama.cpp does; a float checkpoint
 stays dense. A named format (`int8`, `int4`, ...) requantizes, taking GGUF blocks directly where they already are
@@ -21,16 +24,12 @@ import torch
 
 from pagedserve.engine.layers.dispatch import KernelTable
 from pagedserve.engine.layers.linear import Linear
-from pagedserve.engine.models.llama import PACKED_MODULES, PROJECTIONS
 from pagedserve.engine.quant.formats import FORMATS, default_group_size, quantize
 from pagedserve.engine.quant.gguf_blocks import GGUFBlocks
 from pagedserve.engine.quant.int8 import Int8Weight
 from pagedserve.engine.quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
-
-TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
 
 @dataclass(frozen=True)
 class QuantSpec:
@@ -103,7 +102,7 @@ def prepare_modules(model, spec: QuantSpec, quantized: set[str] | None = None) -
     """On the meta model: the projections (and LM head, embeddings) will hold quantized storage, so the dense
     weights are never allocated. `quantized`: with auto, the HF names of the checkpoint's quantized tensors (only
     those modules are marked; a tied LM head follows the embedding)."""
-    targets = TARGETS + (("lm_head",) if spec.lm_head else ())
+    targets = tuple(model.projections) + (("lm_head",) if spec.lm_head else ())
 
     def marked(module_name: str) -> bool:
         if quantized is None:
@@ -112,7 +111,7 @@ def prepare_modules(model, spec: QuantSpec, quantized: set[str] | None = None) -
             return "embed_tokens.weight" in quantized
         prefix, _, leaf = module_name.removeprefix("model.").rpartition(".")
         # the checkpoint names the module is made of (a fused projection: its pieces)
-        names = [f"{prefix}.{hf}" if prefix else hf for hf in PACKED_MODULES.get(leaf, (leaf,))]
+        names = [f"{prefix}.{hf}" if prefix else hf for hf in model.projections.get(leaf, (leaf,))]
         return any(n + ".weight" in quantized for n in names)
 
     for name, module in model.named_modules():
@@ -128,6 +127,7 @@ def quantized_stream(model, weights: Iterable[tuple[str, torch.Tensor | GGUFBloc
     directly where the layout allows); embeddings and the LM head are set here."""
     tied = model.config.tie_word_embeddings
     auto = spec.format == "auto"
+    projections = {hf for pieces in model.projections.values() for hf in pieces}  # the checkpoint's names
     head_spec = QuantSpec(spec.head_format, spec.group_size)
     stats: Counter[str] = Counter()  # tensors taken from GGUF blocks as they are ("direct"), and quantized
     types: Counter[str] = Counter()
@@ -148,8 +148,7 @@ def quantized_stream(model, weights: Iterable[tuple[str, torch.Tensor | GGUFBloc
             emb = model.shard("embed_tokens.weight", to_quant(t, embedding=True))  # a TP rank's vocabulary rows
             model.embed_tokens.quantize_to(emb, dtype)
             if tied:  # one copy serves both where the formats agree (per row, or panels where our kernels run)
-                ours = table.cpp and device.type == "cpu" and emb.panels_fit()
-                same = (auto or spec.head_format == "int8") and (ours or (
+                same = (auto or spec.head_format == "int8") and (emb.our_kernels(table, device) or (
                     isinstance(emb, Int8Weight) and emb.plain and emb.group == emb.shape[1]))
                 model.lm_head.quantize_to(emb if same else model.shard("lm_head.weight", to_quant(t, head=True)))
             continue
@@ -157,7 +156,7 @@ def quantized_stream(model, weights: Iterable[tuple[str, torch.Tensor | GGUFBloc
             if not tied:
                 model.lm_head.quantize_to(model.shard("lm_head.weight", to_quant(t, head=True)))
             continue
-        if len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in PROJECTIONS:
+        if len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in projections:
             yield name, to_quant(t)
             continue
         yield name, (t.dequantize() if isinstance(t, GGUFBlocks) else t)
@@ -175,7 +174,7 @@ def quantize_model(model, spec: QuantSpec, group: int | None = None) -> None:
     group = group or resolve_group_size(spec, model, False)
     dtype = next(model.parameters()).dtype
     for name, m in model.named_modules():
-        if isinstance(m, Linear) and name.split(".")[-1] in TARGETS:
+        if isinstance(m, Linear) and name.split(".")[-1] in model.projections:
             m.quantize_to(quantize(m.weight.detach().float(), spec.format, group))
     if spec.lm_head:
         emb = model.embed_tokens.weight.detach().float()

@@ -5,10 +5,16 @@ No packed kernel exists for it on CPU or CUDA in torch: every product dequantize
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from pagedserve.engine.quant.layouts import pack_nibbles, unpack_nibbles
 from pagedserve.engine.quant.weight import QuantWeight, grouped
+
+if TYPE_CHECKING:
+    from pagedserve.engine.layers.dispatch import KernelTable
+    from pagedserve.engine.layers.linear import Route
 
 NF4_BLOCK = 64
 # quantiles of N(0, 1) scaled to [-1, 1], with an exact zero (a tuple: no tensor is made on import, which would
@@ -52,6 +58,11 @@ class NF4Weight(QuantWeight):
         self.codes, self.absmax = self.codes.to(device), self.absmax.to(device)
         self._levels = torch.tensor(NF4_LEVELS, device=device)
         self.layout = "codes"
+
+    def select_kernels(self, table: KernelTable, device: torch.device, dtype: torch.dtype,
+                       row_int8: bool = True) -> list[Route]:
+        self.lay_out(device)
+        return self.dequantized_routes()
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.codes, self.absmax]

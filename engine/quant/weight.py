@@ -1,18 +1,25 @@
-"""The interface every quantized weight format implements: storage, its reference, and its kernels' layouts.
+"""The interface every quantized weight format implements: storage, its reference, its layouts and its routes.
 
 A format stores rows (output features) independently, so fused projections are row concatenations and
-llama.cpp's q/k row permutation applies to codes and scales alike. Which kernel computes a product is not the
-format's choice: engine/layers/linear.py picks one of the kernels a format offers from the dispatch table.
+llama.cpp's q/k row permutation applies to codes and scales alike. A format brings its own forward, as vLLM's
+`quant_method.apply` does: `select_kernels` lays the codes out for the kernels the dispatch table
+(engine/layers/dispatch.py, where every threshold lives) grants this format on this device, and returns the routes
+through them; the `Linear` holding it runs them and knows no format.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from pagedserve.engine.layers.linear import ANY, Route, padded
 from pagedserve.engine.quant.layouts import rows_to_panels, value_rows
+
+if TYPE_CHECKING:
+    from pagedserve.engine.layers.dispatch import KernelTable
 
 
 class QuantWeight(ABC):
@@ -45,6 +52,15 @@ class QuantWeight(ABC):
         exactly the values the whole matrix does."""
         raise ValueError(f"{self.format} weights cannot be split for tensor parallelism")
 
+    @abstractmethod
+    def select_kernels(self, table: KernelTable, device: torch.device, dtype: torch.dtype,
+                       row_int8: bool = True) -> list[Route]:
+        """Lay the storage out on `device` for the kernels `table` grants it, and return the routes a `Linear`
+        takes through them, each serving inputs of up to its `max_rows` rows (the Linear adds its bias). Once: a
+        storage already laid out (an embedding's, which a tied LM head shares) keeps its layout. `dtype`: the
+        model's; `row_int8`: whether a many-row GEMM may round the activations to int8 codes per row (the AMX
+        route; the LM head says no)."""
+
     def panel_operands(self) -> list[torch.Tensor] | None:
         """What our C++ GEMV (and the fused decode layer) takes, where the format is laid out for it."""
         return None
@@ -52,6 +68,10 @@ class QuantWeight(ABC):
     def dequantized_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T through the dense matrix: the kernel every format has."""
         return F.linear(x, self.dequantize(x.dtype))
+
+    def dequantized_routes(self) -> list[Route]:
+        """The route every format has: dequantize, then a GEMM."""
+        return [Route(ANY, "dequantize + GEMM", padded(self.dequantized_gemm))]
 
     @property
     def nbytes(self) -> int:
@@ -71,6 +91,7 @@ class GroupedWeight(QuantWeight):
     both formats run the same family of our C++ kernels, named by the code width: int4_*, int6_*, int8_*."""
 
     kind: str  # "int4" or "int8": the storage, whatever the format's name
+    row_major: str  # the name of its row-major layout, beside "panels"
     codes: torch.Tensor
     code_bits: int
     scale: torch.Tensor | None
@@ -120,7 +141,38 @@ class GroupedWeight(QuantWeight):
         self.scale, self.bias, self.scale_d, self.bias_d = (None if v is None else rows_to_panels(v)
                                                             for v in self.values())
 
-    # ---- our kernels, on panels (engine/layers/linear.py picks) ---------------------------------------------
+    @abstractmethod
+    def panels_fit(self) -> bool:
+        """Whether our kernels' panels can hold this matrix (its rows, groups and code width)."""
+
+    @abstractmethod
+    def lay_out(self, device: torch.device, layout: str) -> None:
+        """Move to `device` in `layout` ("panels" or `row_major`, and whatever else the format has). Once: a tied
+        embedding and LM head share the storage."""
+
+    def our_kernels(self, table: KernelTable, device: torch.device) -> bool:
+        """Whether our kernels serve this matrix here: they built, it is on a CPU, and their panels hold it."""
+        return table.cpp and device.type == "cpu" and self.panels_fit()
+
+    def lay_out_rows(self, table: KernelTable, device: torch.device) -> None:
+        """The layout for a row lookup (an embedding; a tied LM head then takes its routes over this storage as it
+        is): our panels where our kernels serve it, else row-major."""
+        self.lay_out(device, "panels" if self.our_kernels(table, device) else self.row_major)
+
+    def panel_routes(self, table: KernelTable, row_int8: bool) -> list[Route]:
+        """In our panels: our GEMV for a few rows, then our GEMM, on AMX-INT8 where the table says so (K in whole
+        tiles, the matrix large enough), else on bf16 tiles."""
+        n, k = self.shape
+        gemv = Route(table.quant_gemv_max_rows, f"{self.kind} GEMV (ours)", self.gemv)
+        if table.quant_gemm_amx and row_int8 and k % 64 == 0 and n * k >= table.quant_gemm_amx_min_weights:
+            if self.column_max is None:
+                self.column_max = self.column_absmax()
+            # no padding: our kernel keeps nothing per shape
+            gated = (lambda x: self.amx_gemm(x, silu_mul=True)) if n % 32 == 0 else None  # gate, up: whole panels
+            return [gemv, Route(ANY, f"{self.kind} AMX-INT8 GEMM (ours)", self.amx_gemm, gated)]
+        return [gemv, Route(ANY, f"{self.kind} tiled GEMM (ours)", padded(self.gemm))]
+
+    # ---- our kernels, on panels (`panel_routes`) --------------------------------------------------------------
     def _op(self, kind: str):
         return getattr(torch.ops.pagedserve, f"int{self.code_bits}_{kind}")
 

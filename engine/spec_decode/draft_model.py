@@ -15,10 +15,9 @@ import torch
 
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.config import EngineConfig, resolve_dtype
-from pagedserve.engine.model_runner import ModelRunner, StepInput
-from pagedserve.engine.models.loader import build_model, load_config
+from pagedserve.engine.model_runner import StepInput, build_runner
+from pagedserve.engine.models.loader import load_config
 from pagedserve.engine.models.resolver import resolve_model
-from pagedserve.engine.quant.loading import QuantSpec
 from pagedserve.engine.sampler import SampleRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.sequence import Sequence
@@ -43,13 +42,14 @@ class DraftModelProposer(Proposer):
         if cfg.vocab_size != target_vocab:
             raise ValueError(f"draft model {path} has a vocabulary of {cfg.vocab_size} tokens, the target "
                              f"{target_vocab}: a draft must share the target's tokenizer")
-        dtype = resolve_dtype(config.draft_dtype, device)
-        quant = None if config.draft_quantization == "none" else QuantSpec(config.draft_quantization)
-        model = build_model(path, cfg, dtype, device, max_len, config.seed, quant=quant)
+        dtype = resolve_dtype(config.draft_dtype, device, config.kernel_policy)
+        # the draft as a config of its own: its files, dtype and quantization (group size and LM head at their
+        # defaults, as --draft-quantization has no flags for them), and the target's block count
         draft_config = dataclasses.replace(config, model=path, dtype=str(dtype).removeprefix("torch."),
-                                           cuda_graphs=False,
+                                           quantization=config.draft_quantization, quant_group_size=None,
+                                           quantize_lm_head=None, cuda_graphs=False,
                                            cache=dataclasses.replace(config.cache, num_blocks=num_blocks))
-        self.runner = ModelRunner(draft_config, cfg, model, device, dtype)
+        self.runner = build_runner(draft_config, path, cfg, device, dtype, max_len)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, enable_prefix_caching=False)
         self._greedy = SampleRequest(SamplingParams(max_tokens=None, temperature=0.0), [], None)
         self._states: dict[int, _DraftState] = {}

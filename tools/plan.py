@@ -3,8 +3,8 @@
 Solved for the resident tokens T that fit a memory size, then a users x context grid (fits when
 users x context <= T). The chapter's shapes: 7B and 70B with 8 KV heads of 128 (GQA), 13B with 40 heads
 of 128 (full multi-head attention), weights at nominal parameter counts; "8GB" means 8 GiB; the headroom
-for activations is 1.5 GiB. With those, its rows come out exactly (7B int8 in 16 GB: 65,378 tokens;
-13B: 3,136; 13B int4 in 8 GB: 337 tokens next to 6.2 GiB of weights).
+for activations is 1.5 GiB. These are the chapter's own assumptions, so its tables come out exactly
+(docs/performance.md has the rows; tests/test_plan.py holds them).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import pytest
 
 from pagedserve.engine import LLM
 from pagedserve.engine.config import bundled_text_path
-from pagedserve.engine.quant import eval as qeval
+from pagedserve.tools import eval as qeval
 
 
 def test_evaluate_on_the_reference_engine(make_engine, smollm):
