@@ -18,13 +18,13 @@ _EXPORTS = {  # name -> the module under pagedserve.engine that defines it
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from pagedserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, make_config  # noqa: F401
-    from pagedserve.engine.errors import ContextLengthExceededError, InvalidRequestError, ModelLoadError  # noqa: F401
-    from pagedserve.engine.llm import LLM, GenerationResult  # noqa: F401
-    from pagedserve.engine.llm_engine import EngineStats, LLMEngine  # noqa: F401
-    from pagedserve.engine.output_processor import RequestOutput  # noqa: F401
-    from pagedserve.engine.sampling_params import SamplingParams  # noqa: F401
-    from pagedserve.engine.structured import StructuredSpec  # noqa: F401
+    from .config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, make_config  # noqa: F401
+    from .errors import ContextLengthExceededError, InvalidRequestError, ModelLoadError  # noqa: F401
+    from .llm import LLM, GenerationResult  # noqa: F401
+    from .llm_engine import EngineStats, LLMEngine  # noqa: F401
+    from .output_processor import RequestOutput  # noqa: F401
+    from .sampling_params import SamplingParams  # noqa: F401
+    from .structured import StructuredSpec  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

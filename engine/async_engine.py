@@ -12,13 +12,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedserve.engine import allocator
-from pagedserve.engine.client import EngineClient, Reservation, Seats
-from pagedserve.engine.config import check_options, opt
-from pagedserve.engine.input_processor import EngineRequest, InputProcessor
-from pagedserve.engine.llm_engine import EngineStats, LLMEngine
-from pagedserve.engine.output_processor import RequestOutput
-from pagedserve.engine.snapshot import EngineSnapshot
+from . import allocator
+from .client import EngineClient, Reservation, Seats
+from .config import check_options, opt
+from .input_processor import EngineRequest, InputProcessor
+from .llm_engine import EngineStats, LLMEngine
+from .output_processor import RequestOutput
+from .snapshot import EngineSnapshot
 
 logger = logging.getLogger(__name__)
 

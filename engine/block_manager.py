@@ -19,7 +19,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass, field
 
-from pagedserve.engine.sequence import Sequence
+from .sequence import Sequence
 
 # Per-process secret root of every digest chain: block keys cannot be predicted, or precomputed for a
 # collision, by anyone outside this process.

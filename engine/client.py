@@ -19,11 +19,11 @@ from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from pagedserve.engine.async_engine import AdmissionLimits
-    from pagedserve.engine.input_processor import EngineRequest, InputProcessor
-    from pagedserve.engine.llm_engine import EngineStats
-    from pagedserve.engine.output_processor import RequestOutput
-    from pagedserve.engine.snapshot import EngineSnapshot
+    from .async_engine import AdmissionLimits
+    from .input_processor import EngineRequest, InputProcessor
+    from .llm_engine import EngineStats
+    from .output_processor import RequestOutput
+    from .snapshot import EngineSnapshot
 
 
 class NoEngineViewError(Exception):

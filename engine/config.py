@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.engine.errors import ModelLoadError
+from .errors import ModelLoadError
 
 # Hugging Face `model_type` (GGUF `general.architecture`) -> the architecture that serves it
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -144,7 +144,7 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device, kernel_policy: 
         return name
     if name in DTYPES:
         return DTYPES[name]
-    from pagedserve.engine.layers.dispatch import auto_dtype
+    from .layers.dispatch import auto_dtype
 
     return auto_dtype(device, kernel_policy)
 
@@ -253,7 +253,7 @@ class EngineConfig:
         if runs_on not in (None, self.torch_device().type) and not interpreted:
             raise ValueError(f"attention_backend={self.attention_backend} runs on {runs_on}, not on "
                              f"{self.torch_device().type}")
-        from pagedserve.engine.layers.dispatch import parse_policy
+        from .layers.dispatch import parse_policy
 
         parse_policy(self.kernel_policy)  # its syntax now, not after the server has started
         if self.seed >= 2**63:

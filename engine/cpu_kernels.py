@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from pagedserve.engine.machine import cache_dir, cpu
+from .machine import cache_dir, cpu
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import logging
 
 import torch
 
-from pagedserve.engine.attention.base import AttentionMetadata
-from pagedserve.engine.attention.triton_paged import TritonPagedAttention, num_kv_splits
-from pagedserve.engine.models.llama import LlamaModel
+from .attention.base import AttentionMetadata
+from .attention.triton_paged import TritonPagedAttention, num_kv_splits
+from .models.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 

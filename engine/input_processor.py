@@ -13,10 +13,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from pagedserve.engine.errors import ContextLengthExceededError, InvalidRequestError
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.structured import StructuredOutputs, TokenConstraint
-from pagedserve.engine.tokenizer import apply_chat_template
+from .errors import ContextLengthExceededError, InvalidRequestError
+from .sampling_params import SamplingParams
+from .structured import StructuredOutputs, TokenConstraint
+from .tokenizer import apply_chat_template
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,11 +8,11 @@ import logging
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
-from pagedserve.engine.config import make_config
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.output_processor import RequestMetrics
-from pagedserve.engine.sampler import TokenLogprob
-from pagedserve.engine.sampling_params import SamplingParams
+from .config import make_config
+from .llm_engine import LLMEngine
+from .output_processor import RequestMetrics
+from .sampler import TokenLogprob
+from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -15,26 +15,26 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine import allocator
-from pagedserve.engine.block_manager import BlockManager
-from pagedserve.engine.config import EngineConfig, make_config, resolve_dtype
-from pagedserve.engine.errors import InvalidRequestError
-from pagedserve.engine.input_processor import EngineRequest, InputProcessor
-from pagedserve.engine.model_runner import StepInput, build_runner
-from pagedserve.engine.models.llama import LlamaModel
-from pagedserve.engine.models.loader import load_config
-from pagedserve.engine.models.resolver import resolve_model
-from pagedserve.engine.output_processor import OutputProcessor, RequestOutput, RequestState
-from pagedserve.engine.sampler import SampleRequest
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import DEFAULT_PREFILL_MS_PER_TOKEN, Scheduler, SchedulerStats
-from pagedserve.engine.sequence import Sequence, StopMatch
-from pagedserve.engine.snapshot import EngineSnapshot, StepRecord
-from pagedserve.engine.snapshot import take as take_snapshot
-from pagedserve.engine.spec_decode import SpecStats, build_speculator
-from pagedserve.engine.step_cost import StepCostModel, StepShape
-from pagedserve.engine.structured import StructuredOutputs
-from pagedserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+from . import allocator
+from .block_manager import BlockManager
+from .config import EngineConfig, make_config, resolve_dtype
+from .errors import InvalidRequestError
+from .input_processor import EngineRequest, InputProcessor
+from .model_runner import StepInput, build_runner
+from .models.llama import LlamaModel
+from .models.loader import load_config
+from .models.resolver import resolve_model
+from .output_processor import OutputProcessor, RequestOutput, RequestState
+from .sampler import SampleRequest
+from .sampling_params import SamplingParams
+from .scheduler import DEFAULT_PREFILL_MS_PER_TOKEN, Scheduler, SchedulerStats
+from .sequence import Sequence, StopMatch
+from .snapshot import EngineSnapshot, StepRecord
+from .snapshot import take as take_snapshot
+from .spec_decode import SpecStats, build_speculator
+from .step_cost import StepCostModel, StepShape
+from .structured import StructuredOutputs
+from .tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             tp = self._start_workers(model, max_len)
         elif config.cpu_bind is not None:  # one rank, this process: on its CPUs as a tensor-parallel rank would be
-            from pagedserve.engine.parallel.workers import pin
+            from .parallel.workers import pin
 
             pin(config, 0)
         try:
@@ -136,8 +136,8 @@ class LLMEngine:
 
     def _start_workers(self, model: LlamaModel | None, max_len: int):
         """Spawn the tensor-parallel worker ranks; returns rank 0's TensorParallel (this process's place)."""
-        from pagedserve.engine.parallel.group import check_tensor_parallel
-        from pagedserve.engine.parallel.workers import Setup, WorkerGroup, rank_device
+        from .parallel.group import check_tensor_parallel
+        from .parallel.workers import Setup, WorkerGroup, rank_device
 
         check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
         if self.config.node_rank:

@@ -16,21 +16,21 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from pagedserve.engine.attention import AttentionMetadata, get_backend
-from pagedserve.engine.config import EngineConfig, ModelConfig
-from pagedserve.engine.layers.dispatch import KernelTable, kernel_table
-from pagedserve.engine.layers.fused_decode import FusedDecoder
-from pagedserve.engine.models.llama import LlamaModel
-from pagedserve.engine.models.loader import build_model
-from pagedserve.engine.prompt_logprobs import prompt_logprobs
-from pagedserve.engine.quant.loading import QuantSpec
-from pagedserve.engine.rejection_sampler import verify_batch
-from pagedserve.engine.sampler import Sampler, SampleRequest, TokenLogprob
-from pagedserve.engine.sequence import Sequence
+from .attention import AttentionMetadata, get_backend
+from .config import EngineConfig, ModelConfig
+from .layers.dispatch import KernelTable, kernel_table
+from .layers.fused_decode import FusedDecoder
+from .models.llama import LlamaModel
+from .models.loader import build_model
+from .prompt_logprobs import prompt_logprobs
+from .quant.loading import QuantSpec
+from .rejection_sampler import verify_batch
+from .sampler import Sampler, SampleRequest, TokenLogprob
+from .sequence import Sequence
 
 if TYPE_CHECKING:
-    from pagedserve.engine.parallel.group import TensorParallel
-    from pagedserve.engine.parallel.workers import WorkerGroup
+    from .parallel.group import TensorParallel
+    from .parallel.workers import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class ModelRunner:
             self.graph_runner = self._capture_graphs()
 
     def _capture_graphs(self):
-        from pagedserve.engine.graph_runner import DecodeGraphRunner
+        from .graph_runner import DecodeGraphRunner
 
         max_len = min(self.config.context_length(self.model_config), self.kv_capacity_tokens)
         try:

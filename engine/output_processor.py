@@ -14,9 +14,9 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedserve.engine.sampler import SampleRequest, TokenLogprob
-from pagedserve.engine.sequence import Sequence, SequenceStatus, StopMatch
-from pagedserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
+from .sampler import SampleRequest, TokenLogprob
+from .sequence import Sequence, SequenceStatus, StopMatch
+from .tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagedserve.engine.sampler import TokenLogprob
+from .sampler import TokenLogprob
 
 ROWS_PER_SLICE = 256  # bounds the fp32 [rows, vocab] logits held at once
 

@@ -15,7 +15,7 @@ import itertools
 
 import torch
 
-from pagedserve.engine.sampler import SampleRequest, top_k_top_p
+from .sampler import SampleRequest, top_k_top_p
 
 
 def target_logits(logits: torch.Tensor, draft: list[int], req: SampleRequest) -> torch.Tensor:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.structured import TokenConstraint, apply_constraints
+from .sampling_params import SamplingParams
+from .structured import TokenConstraint, apply_constraints
 
 
 @dataclass(slots=True)

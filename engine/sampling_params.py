@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedserve.engine.errors import InvalidRequestError
+from .errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from pagedserve.engine.structured import StructuredSpec
+    from .structured import StructuredSpec
 
 MAX_STOP_STRINGS = 4
 # Stop strings are delimiters (role markers, "\n\n", fences); 256 characters covers any real one while

@@ -33,10 +33,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedserve.engine.block_manager import BlockManager
-from pagedserve.engine.config import SchedulerConfig
-from pagedserve.engine.sequence import Sequence, SequenceStatus, StopMatch
-from pagedserve.engine.step_cost import StepCostModel
+from .block_manager import BlockManager
+from .config import SchedulerConfig
+from .sequence import Sequence, SequenceStatus, StopMatch
+from .step_cost import StepCostModel
 
 MIN_PREFILL_TOKENS = 32  # per step, whatever the time target: prompts always advance
 # A deadline's prefill estimate before the cost model has timed any prefill: a CPU's order of magnitude

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.engine.sampling_params import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class StopMatch(enum.Enum):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.engine.block_manager import BlockManager
-from pagedserve.engine.scheduler import Scheduler
-from pagedserve.engine.sequence import Sequence
+from .block_manager import BlockManager
+from .scheduler import Scheduler
+from .sequence import Sequence
 
 # One character per block in `EngineSnapshot.pool`: a compact picture of the pool (a 100k-block GPU pool is 100 kB)
 FREE, CACHED, USED, SHARED = ".", "c", "u", "s"

@@ -21,7 +21,7 @@ import llguidance
 import numpy as np
 import torch
 
-from pagedserve.engine.errors import InvalidRequestError
+from .errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ import shutil
 from collections import deque
 from typing import Any
 
-from pagedserve.engine.errors import ModelLoadError
-from pagedserve.engine.machine import cache_dir
+from .errors import ModelLoadError
+from .machine import cache_dir
 
 logger = logging.getLogger(__name__)
 

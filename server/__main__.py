@@ -1,3 +1,3 @@
-from pagedserve.server.cli import main
+from .cli import main
 
 main()

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
 
-from pagedserve.engine.block_manager import chain_digests, max_hit_blocks, root_digest
+from ..engine.block_manager import chain_digests, max_hit_blocks, root_digest
 
 # A record entry's length. The router keeps up to `max_blocks_per_replica` of them per replica and every request
 # carries its chain to Ray's router; a collision there only sends a request to a colder replica, never changes a

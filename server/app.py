@@ -22,15 +22,15 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.engine.async_engine import AsyncEngine, EngineDeadError, ShuttingDownError
-from pagedserve.engine.client import EngineClient, NoEngineViewError
-from pagedserve.engine.llm_engine import EngineStats, LLMEngine
-from pagedserve.server.config import ServerConfig
-from pagedserve.server.connections import protocol_class
-from pagedserve.server.engine_state import EngineState, LiveWindow, engine_state
-from pagedserve.server.guards import ApiKeyAuth, BodyLimit
-from pagedserve.server.metrics import Metrics
-from pagedserve.server.protocol import (
+from ..engine.async_engine import AsyncEngine, EngineDeadError, ShuttingDownError
+from ..engine.client import EngineClient, NoEngineViewError
+from ..engine.llm_engine import EngineStats, LLMEngine
+from .config import ServerConfig
+from .connections import protocol_class
+from .engine_state import EngineState, LiveWindow, engine_state
+from .guards import ApiKeyAuth, BodyLimit
+from .metrics import Metrics
+from .protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -42,11 +42,11 @@ from pagedserve.server.protocol import (
     error_body,
     now,
 )
-from pagedserve.server.serving import APIError, ChatEndpoint, CompletionEndpoint, Serving, engine_dead, tenant
-from pagedserve.server.tracing import HEADER, RequestIds, request_record, tracing_from
+from .serving import APIError, ChatEndpoint, CompletionEndpoint, Serving, engine_dead, tenant
+from .tracing import HEADER, RequestIds, request_record, tracing_from
 
 if TYPE_CHECKING:
-    from pagedserve.server.otel import Tracing
+    from .otel import Tracing
 
 logger = logging.getLogger(__name__)
 

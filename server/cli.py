@@ -12,7 +12,7 @@ import socket
 import sys
 import typing
 
-from pagedserve.engine.errors import ArgumentParser
+from ..engine.errors import ArgumentParser
 
 # subcommands with their own argument lists: the load tester, the quality harness, the memory planner
 SUBPROGRAMS = {"bench": "pagedserve.benchmarks.serve", "eval": "pagedserve.tools.eval",
@@ -41,7 +41,7 @@ def options(args: argparse.Namespace, cls: type) -> dict:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    from pagedserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from ..engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
     add_options(p, EngineConfig, "engine")
     add_options(p, SchedulerConfig, "scheduler")
@@ -49,7 +49,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args: argparse.Namespace):
-    from pagedserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from ..engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
     try:
         return EngineConfig(**options(args, EngineConfig), cache=CacheConfig(**options(args, CacheConfig)),
@@ -59,12 +59,12 @@ def _engine_config(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from pagedserve.engine.async_engine import AdmissionLimits
-    from pagedserve.engine.llm_engine import LLMEngine
-    from pagedserve.server.app import create_app, uvicorn_config
-    from pagedserve.server.config import ReplicaConfig, ServerConfig
-    from pagedserve.server.connections import is_loopback
-    from pagedserve.server.shutdown import GracefulServer
+    from ..engine.async_engine import AdmissionLimits
+    from ..engine.llm_engine import LLMEngine
+    from .app import create_app, uvicorn_config
+    from .config import ReplicaConfig, ServerConfig
+    from .connections import is_loopback
+    from .shutdown import GracefulServer
 
     config = _engine_config(args)
     if config.node_rank > 0:
@@ -124,9 +124,9 @@ def _check_listen(host: str, port: int) -> None:
 def _resolve_model(config):
     """The model's files, checked to fit the context asked for and to split over the tensor-parallel ranks: a
     model that cannot load ends the process here, with one line."""
-    from pagedserve.engine.models.loader import load_config
-    from pagedserve.engine.models.resolver import resolve_model
-    from pagedserve.engine.parallel.group import check_tensor_parallel
+    from ..engine.models.loader import load_config
+    from ..engine.models.resolver import resolve_model
+    from ..engine.parallel.group import check_tensor_parallel
 
     try:
         files = resolve_model(config.model, config.revision, config.gguf_file)
@@ -140,7 +140,7 @@ def _resolve_model(config):
 
 def _serve_node(config) -> None:
     """Another node of a multi-node tensor-parallel group: its worker ranks only, no HTTP server."""
-    from pagedserve.engine.parallel.workers import run_node
+    from ..engine.parallel.workers import run_node
 
     model_path = _resolve_model(config).path
     print(f"pagedserve: node {config.node_rank} of {config.nnodes}: tensor-parallel worker ranks for "
@@ -151,7 +151,7 @@ def _serve_node(config) -> None:
 def _serve_replicas(config, server, replicas) -> None:
     """Ray is imported here and only here: without --replicas the server never loads it."""
     try:
-        from pagedserve.server import ray_app
+        from . import ray_app
     except ImportError as e:
         _fail(f"--replicas needs Ray Serve: pip install 'pagedserve[ray]' ({e})")
     ray_app.run(config, server, replicas)
@@ -172,9 +172,9 @@ def _raise_open_files_limit() -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from pagedserve.engine.llm_engine import LLMEngine
-    from pagedserve.engine.sampling_params import SamplingParams
-    from pagedserve.engine.tokenizer import apply_chat_template
+    from ..engine.llm_engine import LLMEngine
+    from ..engine.sampling_params import SamplingParams
+    from ..engine.tokenizer import apply_chat_template
 
     try:  # bad options, a model that cannot load or be split, a prompt the engine refuses: one line each
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -257,8 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog="pagedserve", description="A small, fast LLM serving engine.")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    from pagedserve.engine.async_engine import AdmissionLimits
-    from pagedserve.server.config import ReplicaConfig, ServerConfig
+    from ..engine.async_engine import AdmissionLimits
+    from .config import ReplicaConfig, ServerConfig
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _engine_args(p)

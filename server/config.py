@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from pagedserve.engine.async_engine import AdmissionLimits
-from pagedserve.engine.config import check_options, opt
+from ..engine.async_engine import AdmissionLimits
+from ..engine.config import check_options, opt
 
 
 @dataclass

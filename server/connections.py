@@ -22,7 +22,7 @@ import time
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pagedserve.server.protocol import error_body
+from .protocol import error_body
 
 
 def is_loopback(host: str) -> bool:

@@ -15,9 +15,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from pagedserve.engine.output_processor import RequestOutput
-from pagedserve.engine.snapshot import CACHED, FREE, SHARED, USED, EngineSnapshot
-from pagedserve.engine.spec_decode import SpecStats
+from ..engine.output_processor import RequestOutput
+from ..engine.snapshot import CACHED, FREE, SHARED, USED, EngineSnapshot
+from ..engine.spec_decode import SpecStats
 
 LATENCY_WINDOW_S = 60.0  # TTFT / TPOT percentiles over the requests of the last minute
 RATE_WINDOW_S = 5.0  # tokens/s over the last few seconds: live, yet not one step's noise

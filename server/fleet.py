@@ -25,14 +25,14 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from pagedserve.engine.async_engine import AdmissionLimits, EngineDeadError, OverloadedError, unused_id
-from pagedserve.engine.client import EngineClient, NoEngineViewError, Reservation, Seats
-from pagedserve.engine.input_processor import EngineRequest, InputProcessor
-from pagedserve.engine.llm_engine import EngineStats
-from pagedserve.engine.output_processor import RequestOutput
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.snapshot import EngineSnapshot
-from pagedserve.server.affinity import ReplicaLoad, RoutingKey, block_chain
+from ..engine.async_engine import AdmissionLimits, EngineDeadError, OverloadedError, unused_id
+from ..engine.client import EngineClient, NoEngineViewError, Reservation, Seats
+from ..engine.input_processor import EngineRequest, InputProcessor
+from ..engine.llm_engine import EngineStats
+from ..engine.output_processor import RequestOutput
+from ..engine.sampling_params import SamplingParams
+from ..engine.snapshot import EngineSnapshot
+from .affinity import ReplicaLoad, RoutingKey, block_chain
 
 logger = logging.getLogger(__name__)
 

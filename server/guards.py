@@ -12,7 +12,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedserve.server.protocol import error_body
+from .protocol import error_body
 
 TENANT_KEY = "pagedserve.tenant"  # scope["state"][TENANT_KEY]: an id of the API key that authenticated
 PROTECTED = ("/v1/", "/metrics", "/docs", "/openapi.json")  # /health, /ready and the page stay open

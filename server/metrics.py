@@ -9,8 +9,8 @@ from functools import partial
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pagedserve.engine.llm_engine import EngineStats
-from pagedserve.engine.output_processor import RequestOutput
+from ..engine.llm_engine import EngineStats
+from ..engine.output_processor import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)

@@ -24,7 +24,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 if TYPE_CHECKING:  # server/tracing.py imports this module when tracing is on
-    from pagedserve.server.tracing import ChoiceRecord, RequestRecord
+    from .tracing import ChoiceRecord, RequestRecord
 
 SCOPE = "pagedserve.server"
 

@@ -25,7 +25,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from pagedserve.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from ..engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 
 def _integral(value: Any) -> Any:

@@ -24,14 +24,14 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from pagedserve.engine.async_engine import AdmissionLimits, AsyncEngine, EngineDeadError, OverloadedError
-from pagedserve.engine.config import EngineConfig
-from pagedserve.engine.input_processor import InputProcessor
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.server.affinity import RoutingKey
-from pagedserve.server.app import create_app
-from pagedserve.server.config import ReplicaConfig, ServerConfig
-from pagedserve.server.fleet import Admitted, Fleet, Item, Refused, ReplicaLostError, Scheduled, published_stats
+from ..engine.async_engine import AdmissionLimits, AsyncEngine, EngineDeadError, OverloadedError
+from ..engine.config import EngineConfig
+from ..engine.input_processor import InputProcessor
+from ..engine.sampling_params import SamplingParams
+from .affinity import RoutingKey
+from .app import create_app
+from .config import ReplicaConfig, ServerConfig
+from .fleet import Admitted, Fleet, Item, Refused, ReplicaLostError, Scheduled, published_stats
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class EngineReplica:
     def __init__(self, engine_config: EngineConfig, limits: AdmissionLimits, threads: int) -> None:
         import torch
 
-        from pagedserve.engine.llm_engine import LLMEngine
+        from ..engine.llm_engine import LLMEngine
 
         torch.set_num_threads(threads)
         self.engine = LLMEngine(engine_config)
@@ -152,7 +152,7 @@ class Ingress:
 
 def build_app(engine_config: EngineConfig, server: ServerConfig, replicas: ReplicaConfig):
     """The Ray Serve application: `serve.run(build_app(...))`."""
-    from pagedserve.server.ray_router import DefaultRouter, PrefixCacheRouter
+    from .ray_router import DefaultRouter, PrefixCacheRouter
 
     n = replicas.replicas or 1
     threads = replicas.threads or max(1, (os.cpu_count() or 1) // n)
@@ -183,8 +183,8 @@ def build_app(engine_config: EngineConfig, server: ServerConfig, replicas: Repli
 def app_builder(args: dict):
     """For `serve run pagedserve.server.ray_app:app_builder model=... replicas=2 threads=1 router=prefix` (and a
     Serve config file's `import_path`): engine options by their field names, as the CLI's flags."""
-    from pagedserve.engine.config import make_config
-    from pagedserve.engine.models.resolver import resolve_model
+    from ..engine.config import make_config
+    from ..engine.models.resolver import resolve_model
 
     args = dict(args)
     threads = args.pop("threads", None)

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from pagedserve.server import fleet  # the module, not its dict: by value, a dict would be shipped as a copy
-from pagedserve.server.affinity import PrefixAffinity, ReplicaLoad, RoutingKey
+from . import fleet  # the module, not its dict: by value, a dict would be shipped as a copy
+from .affinity import PrefixAffinity, ReplicaLoad, RoutingKey
 
 
 def replica_stats(router: RequestRouter) -> dict[str, Mapping]:

@@ -24,15 +24,15 @@ from typing import Any
 
 from fastapi import Request
 
-from pagedserve.engine.async_engine import EngineDeadError, OverloadedError
-from pagedserve.engine.client import EngineClient, OutputStream, Reservation
-from pagedserve.engine.errors import InvalidRequestError
-from pagedserve.engine.input_processor import EngineRequest, InputProcessor
-from pagedserve.engine.output_processor import RequestMetrics, RequestOutput
-from pagedserve.engine.sampler import TokenLogprob
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.server.guards import TENANT_KEY
-from pagedserve.server.protocol import (
+from ..engine.async_engine import EngineDeadError, OverloadedError
+from ..engine.client import EngineClient, OutputStream, Reservation
+from ..engine.errors import InvalidRequestError
+from ..engine.input_processor import EngineRequest, InputProcessor
+from ..engine.output_processor import RequestMetrics, RequestOutput
+from ..engine.sampler import TokenLogprob
+from ..engine.sampling_params import SamplingParams
+from .guards import TENANT_KEY
+from .protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -53,9 +53,9 @@ from pagedserve.server.protocol import (
     new_id,
     now,
 )
-from pagedserve.server.structured import logit_bias, structured_spec
-from pagedserve.server.tools import ToolCallParser, parse_tool_calls, render_messages, resolve_tool_choice, tool_grammar
-from pagedserve.server.tracing import RequestRecord, request_record
+from .structured import logit_bias, structured_spec
+from .tools import ToolCallParser, parse_tool_calls, render_messages, resolve_tool_choice, tool_grammar
+from .tracing import RequestRecord, request_record
 
 logger = logging.getLogger(__name__)
 ENGINE_DEAD = "the engine loop died (see the server log)"  # no exception text reaches a client

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.engine.errors import InvalidRequestError
-from pagedserve.engine.structured import StructuredSpec
+from ..engine.errors import InvalidRequestError
+from ..engine.structured import StructuredSpec
 
 
 def structured_spec(body: Any) -> StructuredSpec | None:

@@ -17,8 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.engine.errors import InvalidRequestError
-from pagedserve.engine.structured import JSON_STYLE, StructuredSpec
+from ..engine.errors import InvalidRequestError
+from ..engine.structured import JSON_STYLE, StructuredSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

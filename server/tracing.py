@@ -21,11 +21,11 @@ from urllib.parse import urlsplit
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedserve.engine.output_processor import RequestMetrics
-from pagedserve.server.protocol import Usage, new_id
+from ..engine.output_processor import RequestMetrics
+from .protocol import Usage, new_id
 
 if TYPE_CHECKING:
-    from pagedserve.server.otel import Tracing
+    from .otel import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +178,6 @@ def tracing_from(endpoint: str | None) -> Tracing | None:
     """Spans to the OTLP/HTTP collector at `endpoint`; None (and no OpenTelemetry import) without one."""
     if endpoint is None:
         return None
-    from pagedserve.server.otel import Tracing
+    from .otel import Tracing
 
     return Tracing(traces_url(endpoint))

@@ -21,9 +21,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from pagedserve.engine.config import bundled_text_path
-from pagedserve.engine.errors import ArgumentParser
-from pagedserve.engine.quant.formats import FORMATS
+from ..engine.config import bundled_text_path
+from ..engine.errors import ArgumentParser
+from ..engine.quant.formats import FORMATS
 
 CHOICES = ("auto",) + FORMATS
 
@@ -68,9 +68,9 @@ class Row:
 def weight_errors(model_path: str, fmt: str, group: int) -> tuple[float, float, float]:
     """(mean, worst) relative error and mean storage bits over the checkpoint's projection matrices,
     quantized exactly as loading does (GGUF Q4 blocks map directly where the format allows)."""
-    from pagedserve.engine.models import loader
-    from pagedserve.engine.quant.gguf_blocks import GGUFBlocks
-    from pagedserve.engine.quant.loading import QuantSpec, quantize_tensor
+    from ..engine.models import loader
+    from ..engine.quant.gguf_blocks import GGUFBlocks
+    from ..engine.quant.loading import QuantSpec, quantize_tensor
 
     cfg = loader.load_config(model_path)
     stream = loader.checkpoint_tensors(model_path, cfg, raw=True)
@@ -94,7 +94,7 @@ def weight_errors(model_path: str, fmt: str, group: int) -> tuple[float, float, 
 
 
 def battery_prompts(tokenizer) -> list[list[int]]:
-    from pagedserve.engine.tokenizer import apply_chat_template
+    from ..engine.tokenizer import apply_chat_template
 
     out = []
     for q, _ in BATTERY:
@@ -114,7 +114,7 @@ def evaluate(llm, text_ids: list[int], prompts: list[list[int]], reference_paths
              step=lambda stage: None):
     """(perplexity, battery score, greedy continuations, agreement or None) for one loaded engine; `step(stage)`
     is called as each stage starts."""
-    from pagedserve.engine.sampling_params import SamplingParams
+    from ..engine.sampling_params import SamplingParams
 
     step("perplexity")
     [scored] = llm.generate([text_ids], SamplingParams(max_tokens=0, prompt_logprobs=0))
@@ -140,11 +140,11 @@ def run(model: str | None, formats: list[str], text_path: str, tokens: int, dtyp
         group_size: int | None) -> list[Row]:
     from tqdm import tqdm
 
-    from pagedserve.engine.config import check_dtype
-    from pagedserve.engine.llm import LLM
-    from pagedserve.engine.models.loader import gguf_has_q4, weight_bytes
-    from pagedserve.engine.models.resolver import resolve_model
-    from pagedserve.engine.quant.loading import QuantSpec, resolve_group_size
+    from ..engine.config import check_dtype
+    from ..engine.llm import LLM
+    from ..engine.models.loader import gguf_has_q4, weight_bytes
+    from ..engine.models.resolver import resolve_model
+    from ..engine.quant.loading import QuantSpec, resolve_group_size
 
     check_dtype(dtype)
     model_path = resolve_model(model).path

@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-from pagedserve.engine.errors import ArgumentParser
+from ..engine.errors import ArgumentParser
 
 GiB = 2**30
 # bits per weight, scales included where the format has them (int4: fp16 scale per group of 128)
@@ -68,8 +68,8 @@ def plan(shape: Shape, fmt: str, memory_gib: float, kv_dtype: str = "fp16",
 
 def shape_from_model(path: str | None) -> Shape:
     """A real model's shape: parameter count from its config (tied embeddings counted once)."""
-    from pagedserve.engine.config import bundled_model_path
-    from pagedserve.engine.models.loader import load_config
+    from ..engine.config import bundled_model_path
+    from ..engine.models.loader import load_config
 
     c = load_config(path or bundled_model_path())
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

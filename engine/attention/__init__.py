@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.engine.attention.base import AttentionBackend, AttentionMetadata
-from pagedserve.engine.attention.torch_paged import TorchPagedAttention
-from pagedserve.engine.layers.dispatch import KernelTable, kernel_table
+from ..layers.dispatch import KernelTable, kernel_table
+from .base import AttentionBackend, AttentionMetadata
+from .torch_paged import TorchPagedAttention
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchPagedAttention", "get_backend"]
 
@@ -22,13 +22,13 @@ def get_backend(name: str, device: torch.device, table: KernelTable | None = Non
         else:
             name = "cpu" if table.cpp else "torch"
     if name == "cpu":  # EngineConfig refuses a backend for another device than the engine's
-        from pagedserve.engine.attention.cpu_paged import CpuPagedAttention
+        from .cpu_paged import CpuPagedAttention
 
         return CpuPagedAttention(table)
     if name == "torch":
         return TorchPagedAttention(block_size)
     if name == "triton":
-        from pagedserve.engine.attention.triton_paged import TritonPagedAttention
+        from .triton_paged import TritonPagedAttention
 
         return TritonPagedAttention()
     raise ValueError(f"attention_backend must be auto, cpu, torch or triton; got {name!r}")

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine import cpu_kernels
-from pagedserve.engine.attention.base import AttentionBackend, AttentionMetadata
-from pagedserve.engine.attention.torch_paged import attend_chunks, drop_padding, store_rows
-from pagedserve.engine.layers.dispatch import KernelTable
+from .. import cpu_kernels
+from ..layers.dispatch import KernelTable
+from .base import AttentionBackend, AttentionMetadata
+from .torch_paged import attend_chunks, drop_padding, store_rows
 
 # A query tile of this many tokens (x the GQA group) shares each K/V row it reads
 QUERY_TILE = 16

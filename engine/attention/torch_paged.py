@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedserve.engine.attention.base import AttentionBackend, AttentionMetadata
+from .base import AttentionBackend, AttentionMetadata
 
 
 def drop_padding(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

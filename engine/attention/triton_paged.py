@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from pagedserve.engine.attention.base import AttentionBackend, AttentionMetadata
+from .base import AttentionBackend, AttentionMetadata
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (partials + reduce) outweighs its gain

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.engine.layers.dispatch import CppLayer
+from .dispatch import CppLayer
 
 
 class SiluAndMul(CppLayer):

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.engine import cpu_kernels
-from pagedserve.engine.machine import cache_dir, cpu
+from .. import cpu_kernels
+from ..machine import cache_dir, cpu
 
 logger = logging.getLogger(__name__)
 

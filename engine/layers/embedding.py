@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.engine.layers.dispatch import KernelTable
+from .dispatch import KernelTable
 
 if TYPE_CHECKING:
-    from pagedserve.engine.parallel.group import TensorParallel
-    from pagedserve.engine.quant.int4 import Int4Weight
-    from pagedserve.engine.quant.int8 import Int8Weight
+    from ..parallel.group import TensorParallel
+    from ..quant.int4 import Int4Weight
+    from ..quant.int8 import Int8Weight
 
 
 class Embedding(nn.Module):

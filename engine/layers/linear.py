@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.engine.layers.dispatch import KernelTable
+from .dispatch import KernelTable
 
 if TYPE_CHECKING:
-    from pagedserve.engine.quant.weight import QuantWeight
+    from ..quant.weight import QuantWeight
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.engine.layers.dispatch import CppLayer
+from .dispatch import CppLayer
 
 
 class RMSNorm(CppLayer):

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from pagedserve.engine.config import ModelConfig
-from pagedserve.engine.layers.dispatch import CppLayer
+from ..config import ModelConfig
+from .dispatch import CppLayer
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:

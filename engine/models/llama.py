@@ -13,17 +13,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagedserve.engine.attention.base import AttentionBackend, AttentionMetadata
-from pagedserve.engine.config import ModelConfig
-from pagedserve.engine.layers.activation import SiluAndMul
-from pagedserve.engine.layers.embedding import Embedding
-from pagedserve.engine.layers.linear import Linear
-from pagedserve.engine.layers.norm import RMSNorm
-from pagedserve.engine.layers.rotary import RotaryEmbedding
-from pagedserve.engine.quant.weight import QuantWeight
+from ..attention.base import AttentionBackend, AttentionMetadata
+from ..config import ModelConfig
+from ..layers.activation import SiluAndMul
+from ..layers.embedding import Embedding
+from ..layers.linear import Linear
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding
+from ..quant.weight import QuantWeight
 
 if TYPE_CHECKING:
-    from pagedserve.engine.parallel.group import TensorParallel
+    from ..parallel.group import TensorParallel
 
 # each layer's projection modules -> the Hugging Face projections each holds, in row order
 PROJECTION_PIECES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -157,7 +157,7 @@ class LlamaModel(nn.Module):
         """Copy tensors named as in Hugging Face checkpoints into the (fused) parameters. A projection that was
         made quantized (`Linear.quantize_to`, before materializing) takes QuantWeights, one per piece, fused
         into one storage once all its pieces are in."""
-        from pagedserve.engine.quant.formats import cat
+        from ..quant.formats import cat
 
         params = dict(self.named_parameters())
         pending: dict[str, list] = {}

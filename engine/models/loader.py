@@ -17,20 +17,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedserve.engine import allocator
-from pagedserve.engine.config import ARCHITECTURES, ModelConfig
-from pagedserve.engine.errors import ModelLoadError
-from pagedserve.engine.layers.dispatch import KernelTable, kernel_table
-from pagedserve.engine.layers.linear import Linear, select_kernels
-from pagedserve.engine.models.gguf_file import GGUFFile
-from pagedserve.engine.models.llama import LlamaModel
-from pagedserve.engine.quant import loading as quant_loading
-from pagedserve.engine.quant.gguf_blocks import GGUFBlocks
-from pagedserve.engine.quant.loading import QuantSpec
-from pagedserve.engine.quant.weight import QuantWeight
+from .. import allocator
+from ..config import ARCHITECTURES, ModelConfig
+from ..errors import ModelLoadError
+from ..layers.dispatch import KernelTable, kernel_table
+from ..layers.linear import Linear, select_kernels
+from ..quant import loading as quant_loading
+from ..quant.gguf_blocks import GGUFBlocks
+from ..quant.loading import QuantSpec
+from ..quant.weight import QuantWeight
+from .gguf_file import GGUFFile
+from .llama import LlamaModel
 
 if TYPE_CHECKING:
-    from pagedserve.engine.parallel.group import TensorParallel
+    from ..parallel.group import TensorParallel
 
 logger = logging.getLogger(__name__)
 

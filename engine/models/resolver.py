@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve.engine.errors import ModelLoadError
+from ..errors import ModelLoadError
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
 # what a safetensors checkpoint needs: configs (and the shard index), weights, tokenizer files
@@ -35,7 +35,7 @@ class ModelFiles:
 
 def resolve_model(name: str | None, revision: str | None = None, gguf_file: str | None = None) -> ModelFiles:
     if name is None:
-        from pagedserve.engine.config import bundled_model_path
+        from ..config import bundled_model_path
 
         return ModelFiles(bundled_model_path(), "SmolLM2-135M-Instruct")
     if name.startswith("random:"):

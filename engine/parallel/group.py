@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pagedserve.engine.config import ModelConfig
-from pagedserve.engine.parallel.shm_all_reduce import ShmAllReduce, unlink_segment
+from ..config import ModelConfig
+from .shm_all_reduce import ShmAllReduce, unlink_segment
 
 # A collective waits at most this long for a peer: the bound on detecting a hung (not dead) rank. A dead rank's
 # sockets close, so its peers fail at once; this backstop covers a stopped or deadlocked one.

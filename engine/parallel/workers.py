@@ -30,9 +30,9 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from pagedserve.engine.config import EngineConfig, ModelConfig, parse_cpu_bind, parse_dist_init_addr
-from pagedserve.engine.parallel import shm_all_reduce
-from pagedserve.engine.parallel.group import CONNECT_TIMEOUT_S, TensorParallel
+from ..config import EngineConfig, ModelConfig, parse_cpu_bind, parse_dist_init_addr
+from . import shm_all_reduce
+from .group import CONNECT_TIMEOUT_S, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -169,9 +169,9 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection | 
         if conn is None:  # another node's rank: rank 0's engine options win, so every rank agrees on every shape
             conn = _dial(spec.host, spec.port + 1, spec.rank, size)
             setup = conn.recv()
-        from pagedserve.engine import allocator
-        from pagedserve.engine.model_runner import build_runner
-        from pagedserve.engine.models.loader import load_config
+        from .. import allocator
+        from ..model_runner import build_runner
+        from ..models.loader import load_config
 
         allocator.tune()
         tp = TensorParallel.connect(spec.rank, size, spec.host, spec.port, spec.device, shm_name=spec.shm_name)

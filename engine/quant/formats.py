@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.engine.quant.int4 import Int4Weight
-from pagedserve.engine.quant.int8 import Int8Weight
-from pagedserve.engine.quant.layouts import unpack_nibbles
-from pagedserve.engine.quant.nf4 import NF4Weight
-from pagedserve.engine.quant.weight import QuantWeight, group_values
+from .int4 import Int4Weight
+from .int8 import Int8Weight
+from .layouts import unpack_nibbles
+from .nf4 import NF4Weight
+from .weight import QuantWeight, group_values
 
 FORMATS = ("int8", "int8-tensor", "int4", "int4-tensor", "nf4")
 

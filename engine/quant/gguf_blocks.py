@@ -27,10 +27,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedserve.engine.quant.int4 import Int4Weight
-from pagedserve.engine.quant.int8 import Int8Weight
-from pagedserve.engine.quant.layouts import pack_nibbles
-from pagedserve.engine.quant.weight import QuantWeight
+from .int4 import Int4Weight
+from .int8 import Int8Weight
+from .layouts import pack_nibbles
+from .weight import QuantWeight
 
 BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}

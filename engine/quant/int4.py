@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedserve.engine.layers.linear import ANY, Route, padded
-from pagedserve.engine.quant.layouts import PANEL, from_panels, pack_nibbles, to_panels, unpack_nibbles
-from pagedserve.engine.quant.weight import GroupedWeight, grouped, narrow_values
+from ..layers.linear import ANY, Route, padded
+from .layouts import PANEL, from_panels, pack_nibbles, to_panels, unpack_nibbles
+from .weight import GroupedWeight, grouped, narrow_values
 
 if TYPE_CHECKING:
-    from pagedserve.engine.layers.dispatch import KernelTable
+    from ..layers.dispatch import KernelTable
 
 TORCH_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes `_weight_int4pack_mm_for_cpu` takes
 

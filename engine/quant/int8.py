@@ -19,18 +19,18 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from pagedserve.engine.layers.linear import ANY, Route, padded
-from pagedserve.engine.quant.layouts import (
+from ..layers.linear import ANY, Route, padded
+from .layouts import (
     PANEL,
     int6_from_panels,
     int6_to_panels,
     int8_from_panels,
     int8_to_panels,
 )
-from pagedserve.engine.quant.weight import GroupedWeight, narrow_values
+from .weight import GroupedWeight, narrow_values
 
 if TYPE_CHECKING:
-    from pagedserve.engine.layers.dispatch import KernelTable
+    from ..layers.dispatch import KernelTable
 
 
 class Int8Weight(GroupedWeight):

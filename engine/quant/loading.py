@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.layers.dispatch import KernelTable
-from pagedserve.engine.layers.linear import Linear
-from pagedserve.engine.quant.formats import FORMATS, default_group_size, quantize
-from pagedserve.engine.quant.gguf_blocks import GGUFBlocks
-from pagedserve.engine.quant.int8 import Int8Weight
-from pagedserve.engine.quant.weight import QuantWeight
+from ..layers.dispatch import KernelTable
+from ..layers.linear import Linear
+from .formats import FORMATS, default_group_size, quantize
+from .gguf_blocks import GGUFBlocks
+from .int8 import Int8Weight
+from .weight import QuantWeight
 
 logger = logging.getLogger(__name__)
 

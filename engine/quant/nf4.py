@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedserve.engine.quant.layouts import pack_nibbles, unpack_nibbles
-from pagedserve.engine.quant.weight import QuantWeight, grouped
+from .layouts import pack_nibbles, unpack_nibbles
+from .weight import QuantWeight, grouped
 
 if TYPE_CHECKING:
-    from pagedserve.engine.layers.dispatch import KernelTable
-    from pagedserve.engine.layers.linear import Route
+    from ..layers.dispatch import KernelTable
+    from ..layers.linear import Route
 
 NF4_BLOCK = 64
 # quantiles of N(0, 1) scaled to [-1, 1], with an exact zero (a tuple: no tensor is made on import, which would

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from pagedserve.engine.layers.linear import ANY, Route, padded
-from pagedserve.engine.quant.layouts import rows_to_panels, value_rows
+from ..layers.linear import ANY, Route, padded
+from .layouts import rows_to_panels, value_rows
 
 if TYPE_CHECKING:
-    from pagedserve.engine.layers.dispatch import KernelTable
+    from ..layers.dispatch import KernelTable
 
 
 class QuantWeight(ABC):

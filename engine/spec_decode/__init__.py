@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.engine.config import EngineConfig, ModelConfig
-from pagedserve.engine.spec_decode.proposer import NgramProposer, Proposer
-from pagedserve.engine.spec_decode.speculator import SpecStats, Speculator
-from pagedserve.engine.step_cost import StepCostModel
+from ..config import EngineConfig, ModelConfig
+from ..step_cost import StepCostModel
+from .proposer import NgramProposer, Proposer
+from .speculator import SpecStats, Speculator
 
 __all__ = ["NgramProposer", "Proposer", "Speculator", "SpecStats", "build_speculator"]
 
@@ -20,7 +20,7 @@ def build_speculator(config: EngineConfig, target: ModelConfig, num_blocks: int,
     if config.speculative_method == "ngram":
         proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     else:
-        from pagedserve.engine.spec_decode.draft_model import DraftModelProposer
+        from .draft_model import DraftModelProposer
 
         proposer = DraftModelProposer(config, target.vocab_size, num_blocks, max_len, device)
     return Speculator(proposer, config.num_speculative_tokens, cost)

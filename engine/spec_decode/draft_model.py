@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.engine.block_manager import BlockManager
-from pagedserve.engine.config import EngineConfig, resolve_dtype
-from pagedserve.engine.model_runner import StepInput, build_runner
-from pagedserve.engine.models.loader import load_config
-from pagedserve.engine.models.resolver import resolve_model
-from pagedserve.engine.sampler import SampleRequest
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.sequence import Sequence
-from pagedserve.engine.spec_decode.proposer import Proposer
+from ..block_manager import BlockManager
+from ..config import EngineConfig, resolve_dtype
+from ..model_runner import StepInput, build_runner
+from ..models.loader import load_config
+from ..models.resolver import resolve_model
+from ..sampler import SampleRequest
+from ..sampling_params import SamplingParams
+from ..sequence import Sequence
+from .proposer import Proposer
 
 
 @dataclass(slots=True)

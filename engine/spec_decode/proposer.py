@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from pagedserve.engine.sequence import Sequence
+from ..sequence import Sequence
 
 
 class Proposer(ABC):

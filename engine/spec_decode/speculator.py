@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.engine.sequence import Sequence
-from pagedserve.engine.spec_decode.proposer import Proposer
-from pagedserve.engine.step_cost import StepCostModel
+from ..sequence import Sequence
+from ..step_cost import StepCostModel
+from .proposer import Proposer
 
 ALPHA_PRIOR = 0.5  # before anything is measured
 PRIOR_WEIGHT = 2.0  # pseudo-trials of the engine-wide rate in a request's estimate
