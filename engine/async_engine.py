@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import allocator
-from .client import EngineClient, Reservation, Seats
+from .client import EngineClient, QueuePlaces, Reservation
 from .config import check_options, opt
 from .input_processor import EngineRequest, InputProcessor
 from .llm_engine import EngineStats, LLMEngine
@@ -108,7 +108,7 @@ class AsyncEngine(EngineClient):
         self.on_outputs = on_outputs  # metrics hook, called on the event loop
         self.error: BaseException | None = None
         self._streams: dict[str, _Stream] = {}
-        self._seats = Seats()  # admitted requests not yet handed to the engine
+        self._places = QueuePlaces()  # admitted requests not yet handed to the engine
         self._queued_tokens = 0
         # gaps between consecutive first outputs while requests were waiting: how fast the queue drains when it
         # has to. A gap counts only if the request starting was already waiting at the start before it: idle time
@@ -205,7 +205,7 @@ class AsyncEngine(EngineClient):
 
     @property
     def in_flight(self) -> int:
-        return len(self._streams) + self._seats.reserved
+        return len(self._streams) + self._places.reserved
 
     def fail_all(self, error: BaseException) -> None:
         """On the event loop. Each stream that takes its error closes itself, which aborts it in the engine."""
@@ -245,7 +245,7 @@ class AsyncEngine(EngineClient):
     @property
     def num_waiting(self) -> int:
         """Admitted requests that are not running yet (reservations included)."""
-        return self.engine.num_waiting + self._seats.reserved
+        return self.engine.num_waiting + self._places.reserved
 
     @property
     def num_running(self) -> int:
@@ -280,8 +280,8 @@ class AsyncEngine(EngineClient):
         return 1.0 / mean if mean > 0 else None
 
     def reserve(self, count: int = 1) -> Reservation:
-        """Admission control, called before any tokenizing: seats for `count` requests, each judged as if the ones
-        before it were already waiting. Raises OverloadedError when the queue is full or a new request would not
+        """Admission control, called before any tokenizing: places in the queue for `count` requests, each judged
+        as if the ones before it were already waiting. Raises OverloadedError when the queue is full or a new request would not
         start within max_queue_wait_s."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop died: {self.error!r}")
@@ -297,19 +297,19 @@ class AsyncEngine(EngineClient):
                 raise OverloadedError(f"server overloaded: a new request would start in about {wait:.0f} s, later "
                                       f"than the {bound:g} s allowed (--max-queue-wait-s)",
                                       self.retry_after(wait - bound), reason="queue_wait")
-        return self._seats.hold(count)
+        return self._places.hold(count)
 
     def in_use(self, request_id: str) -> bool:
         """Whether a stream or the engine still holds `request_id` (the engine forgets an aborted one only at its
         next step; a stream outlives its request until the consumer closes it)."""
         return request_id in self._streams or self.engine.has_request(request_id)
 
-    def submit(self, request: EngineRequest, seats: Reservation, tenant: str | None = None) -> RequestStream:
-        """Hand a request built by `input_processor.process` to the engine, with one of `seats` (taken even when
+    def submit(self, request: EngineRequest, places: Reservation, tenant: str | None = None) -> RequestStream:
+        """Hand a request built by `input_processor.process` to the engine, with one of `places` (taken even when
         this raises OverloadedError, past the queued-token limit). The caller must `close()` the stream. It runs
         as its `request_id`, or with a suffix while that is still in use (`unused_id`); the stream's `request_id`
         says which."""
-        seats.take()
+        places.take()
         n = len(request.prompt_token_ids)
         limit = self.limits.max_queued_tokens
         if limit is not None and self._queued_tokens > 0 and self._queued_tokens + n > limit:

@@ -6,9 +6,9 @@ else: what it tokenizes and checks with (`input_processor`: the tokenizer, the c
 (`reserve`), `submit`, the counts, `stats()` (speculative decoding's counters included) and the live view
 (`snapshot`, which only a single engine serves).
 
-A request's life on this surface: `reserve` seats before anything is tokenized (the 429 comes from here), build
-an `EngineRequest` with `input_processor.process` off the event loop (the 400s come from there), `submit` it with
-one seat of the reservation, read its `OutputStream`, `close()` it.
+A request's life on this surface: `reserve` holds places in the queue before anything is tokenized (the 429 comes
+from here), build an `EngineRequest` with `input_processor.process` off the event loop (the 400s come from there), `submit` it with
+one place of the reservation, read its `OutputStream`, `close()` it.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ class NoEngineViewError(Exception):
     """The client has no single engine to show (the Ray fleet: each replica has its own pool)."""
 
 
-class Seats:
-    """The count of queue seats admission granted and no request holds yet: the only one, for either client."""
+class QueuePlaces:
+    """The count of queue places admission granted and no request holds yet: the only one, for either client."""
 
     __slots__ = ("reserved",)
 
@@ -44,25 +44,25 @@ class Seats:
 
 
 class Reservation:
-    """Seats granted by `EngineClient.reserve`. Each goes to the engine with one request (`submit` takes it, even
+    """QueuePlaces granted by `EngineClient.reserve`. Each goes to the engine with one request (`submit` takes it, even
     when it then refuses the request) or back to the queue: `release()`, or leaving a `with` block, gives back
     whatever was not handed over, so no path (a 400, a cancelled build, a refusal halfway) can leak one."""
 
-    __slots__ = ("_seats", "left")
+    __slots__ = ("_places", "left")
 
-    def __init__(self, seats: Seats, count: int) -> None:
-        self._seats = seats
+    def __init__(self, places: QueuePlaces, count: int) -> None:
+        self._places = places
         self.left = count
 
     def take(self) -> None:
-        """One seat goes to the request being submitted."""
+        """One place goes to the request being submitted."""
         if self.left <= 0:
-            raise RuntimeError("no seat left in this reservation")
+            raise RuntimeError("no place left in this reservation")
         self.left -= 1
-        self._seats.reserved -= 1
+        self._places.reserved -= 1
 
     def release(self) -> None:
-        self._seats.reserved -= self.left
+        self._places.reserved -= self.left
         self.left = 0
 
     def __enter__(self) -> Reservation:
@@ -82,7 +82,8 @@ class OutputStream(Protocol):
 
     @property
     def scheduled(self) -> bool:
-        """The engine has given it tokens: its prefill has begun (or it ended)."""
+        """The engine has given it tokens or seated it (a free seat of --max-num-seqs and its prompt's KV blocks
+        wait for it): from then on it is never refused for its wait (or it ended)."""
 
     async def wait_started(self) -> None:
         """Until the first output; raises what ended the request before one."""
@@ -113,12 +114,12 @@ class EngineClient(ABC):
 
     @abstractmethod
     def reserve(self, count: int = 1) -> Reservation:
-        """Seats for `count` requests, before anything is tokenized; raises OverloadedError (the 429) when the
+        """QueuePlaces for `count` requests, before anything is tokenized; raises OverloadedError (the 429) when the
         queue is full or a new request would start too late, EngineDeadError when nothing can be served."""
 
     @abstractmethod
-    def submit(self, request: EngineRequest, seats: Reservation, tenant: str | None = None) -> OutputStream:
-        """Hand a built request to the engine with one of `seats` (taken even when this raises OverloadedError:
+    def submit(self, request: EngineRequest, places: Reservation, tenant: str | None = None) -> OutputStream:
+        """Hand a built request to the engine with one of `places` (taken even when this raises OverloadedError:
         too many prompt tokens queued). `tenant`: the API key's id, for `tenant_of`."""
 
     @abstractmethod

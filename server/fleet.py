@@ -26,7 +26,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from ..engine.async_engine import AdmissionLimits, EngineDeadError, OverloadedError, unused_id
-from ..engine.client import EngineClient, NoEngineViewError, Reservation, Seats
+from ..engine.client import EngineClient, NoEngineViewError, QueuePlaces, Reservation
 from ..engine.input_processor import EngineRequest, InputProcessor
 from ..engine.llm_engine import EngineStats
 from ..engine.output_processor import RequestOutput
@@ -101,7 +101,7 @@ class Fleet(EngineClient):
         self.block_size = block_size
         self.on_outputs = on_outputs
         self.secret = os.urandom(32)  # the router's chain is keyed per ingress: nobody can precompute it
-        self._seats = Seats()
+        self._places = QueuePlaces()
         self._closed = False
         self._live: dict[str, FleetStream] = {}  # by id: requests whose remote call has not ended
 
@@ -119,11 +119,11 @@ class Fleet(EngineClient):
 
     @property
     def num_waiting(self) -> int:
-        return sum(x.num_waiting for x in self.loads()) + self._seats.reserved
+        return sum(x.num_waiting for x in self.loads()) + self._places.reserved
 
     @property
     def in_flight(self) -> int:
-        return len(self._live) + self._seats.reserved
+        return len(self._live) + self._places.reserved
 
     async def snapshot(self, timeout: float) -> EngineSnapshot:
         raise NoEngineViewError("each replica has its own engine")
@@ -162,14 +162,14 @@ class Fleet(EngineClient):
         if loads and not any(x.can_admit for x in loads):
             raise OverloadedError(f"server overloaded: all {len(loads)} replicas have full queues",
                                   self.retry_after())
-        return self._seats.hold(count)
+        return self._places.hold(count)
 
-    def submit(self, request: EngineRequest, seats: Reservation, tenant: str | None = None) -> FleetStream:
+    def submit(self, request: EngineRequest, places: Reservation, tenant: str | None = None) -> FleetStream:
         """`tenant` (the engine view's per-key ids) is the single server's: the fleet serves no engine view. The
         replica runs the request under its id (suffixed while another live request has it, as an AsyncEngine
         does), so the ingress's log and the replica's name one request alike; the replica builds the request
         again from its ids and params with its own input processor (its engine's grammar matcher included)."""
-        seats.take()
+        places.take()
         ids, params = request.prompt_token_ids, request.params
         key = RoutingKey(block_chain(ids, self.block_size, self.secret, params.cache_salt))
         request_id = unused_id(request.request_id, self._live.__contains__)

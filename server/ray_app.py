@@ -79,9 +79,9 @@ class EngineReplica:
             self._started = True
             self.aeng.start(asyncio.get_running_loop())
         try:
-            with self.aeng.reserve() as seats:
+            with self.aeng.reserve() as places:
                 request = await asyncio.to_thread(self.aeng.input_processor.process, request_id, ids, params)
-                stream = self.aeng.submit(request, seats)  # takes the seat, even when it raises
+                stream = self.aeng.submit(request, places)  # takes the place, even when it raises
         except OverloadedError as e:
             yield Refused(self.replica_id, str(e), e.reason)
             return

@@ -6,7 +6,7 @@ only what differs: how a body becomes `EngineRequest`s (`build`, which translate
 sampling params and has the input processor check each and compile its grammar; run off the event loop, since
 templating, tokenizing and compiling cost O(prompt) and more), and how outputs become its response or its stream
 chunks. Admission (the 429) is decided before anything is tokenized or streamed; its `Reservation` is either
-handed to the engine, a seat per request, or given back, and a client that leaves aborts its requests.
+handed to the engine, a place per request, or given back, and a client that leaves aborts its requests.
 """
 
 from __future__ import annotations
@@ -242,11 +242,11 @@ class Serving:
         endpoint.request_id = record.request_id or endpoint.request_id
         try:
             client = self.admit(body, endpoint.count(), "n" if body.n > 1 else endpoint.param)
-            with client.reserve(endpoint.count()) as seats:  # before any tokenizing; what is not submitted goes back
+            with client.reserve(endpoint.count()) as places:  # before any tokenizing; what is not submitted goes back
                 endpoint.tokenizer = client.input_processor.tokenizer
                 endpoint.max_prompt_tokens = client.limits.max_queued_tokens
                 built = await self.build(client, endpoint, self.cache_salt(body, raw))
-                streams = self.submit(client, built, seats, tenant(raw))
+                streams = self.submit(client, built, places, tenant(raw))
             await self.wait_started(client, streams, raw)
             if body.stream:
                 return self.stream(endpoint, built, streams,
@@ -291,14 +291,14 @@ class Serving:
             raise APIError(400, str(e), param=endpoint.param) from e
 
     # ---- submit -----------------------------------------------------------------------------------------
-    def submit(self, client: EngineClient, built: Built, seats: Reservation,
+    def submit(self, client: EngineClient, built: Built, places: Reservation,
                tenant: str | None = None) -> list[OutputStream]:
-        """Every built request, each with a seat of `seats`, or none: a refusal halfway closes (aborts) those
+        """Every built request, each with a place of `places`, or none: a refusal halfway closes (aborts) those
         submitted. `tenant`: the API key's id, if any."""
         streams: list[OutputStream] = []
         try:
             for request in built.requests:
-                streams.append(client.submit(request, seats, tenant))
+                streams.append(client.submit(request, places, tenant))
         except BaseException:
             for s in streams:
                 s.close()

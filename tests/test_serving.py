@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import pytest
 
 from pagedserve.engine.async_engine import AdmissionLimits, OverloadedError
-from pagedserve.engine.client import EngineClient, NoEngineViewError, Reservation, Seats
+from pagedserve.engine.client import EngineClient, NoEngineViewError, QueuePlaces, Reservation
 from pagedserve.engine.config import bundled_model_path
 from pagedserve.engine.input_processor import EngineRequest, InputProcessor
 from pagedserve.engine.llm_engine import EngineStats
@@ -65,7 +65,7 @@ class FakeClient(EngineClient):
                  refuse: int | None = None) -> None:
         self.input_processor, self.limits = inputs, limits or AdmissionLimits(max_waiting_requests=8)
         self.full, self.refuse = full, refuse  # refuse: the submit call (0-based) that is overloaded
-        self.seats = Seats()
+        self.places = QueuePlaces()
         self.submitted: list[EngineRequest] = []
         self.live: set[str] = set()
         self.aborted: list[str] = []
@@ -74,19 +74,19 @@ class FakeClient(EngineClient):
 
     @property
     def num_waiting(self) -> int:
-        return self.seats.reserved
+        return self.places.reserved
 
     @property
     def in_flight(self) -> int:
-        return len(self.live) + self.seats.reserved
+        return len(self.live) + self.places.reserved
 
     def reserve(self, count: int = 1) -> Reservation:
         if self.full:
             raise OverloadedError("server overloaded: full", 2.5)
-        return self.seats.hold(count)
+        return self.places.hold(count)
 
-    def submit(self, request: EngineRequest, seats: Reservation, tenant: str | None = None) -> Stream:
-        seats.take()
+    def submit(self, request: EngineRequest, places: Reservation, tenant: str | None = None) -> Stream:
+        places.take()
         if self.refuse == len(self.submitted):
             raise OverloadedError("server overloaded: too many prompt tokens", 1.0)
         self.submitted.append(request)
