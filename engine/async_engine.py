@@ -281,8 +281,8 @@ class AsyncEngine(EngineClient):
 
     def reserve(self, count: int = 1) -> Reservation:
         """Admission control, called before any tokenizing: places in the queue for `count` requests, each judged
-        as if the ones before it were already waiting. Raises OverloadedError when the queue is full or a new request would not
-        start within max_queue_wait_s."""
+        as if the ones before it were already waiting. Raises OverloadedError when the queue is full or a new
+        request would not start within max_queue_wait_s."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop died: {self.error!r}")
         limit = self.limits.max_waiting_requests

@@ -7,8 +7,8 @@ else: what it tokenizes and checks with (`input_processor`: the tokenizer, the c
 (`snapshot`, which only a single engine serves).
 
 A request's life on this surface: `reserve` holds places in the queue before anything is tokenized (the 429 comes
-from here), build an `EngineRequest` with `input_processor.process` off the event loop (the 400s come from there), `submit` it with
-one place of the reservation, read its `OutputStream`, `close()` it.
+from here), build an `EngineRequest` with `input_processor.process` off the event loop (the 400s come from there),
+`submit` it with one place of the reservation, read its `OutputStream`, `close()` it.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def test_each_choice_is_one_request_built_once_with_one_seat():
     assert [x.prompt_token_ids for x in client.submitted] == [[1, 2, 3]] * 2 + [[4, 5]] * 2
     assert all(x.max_tokens == 2 for x in client.submitted)
     assert [c.text for c in r.choices] == ["t1t2"] * 4 and r.usage.prompt_tokens == 5
-    assert client.seats.reserved == 0 and client.aborted == [] and not client.live
+    assert client.places.reserved == 0 and client.aborted == [] and not client.live
 
 
 def test_unasked_max_tokens_is_resolved_in_the_record():
@@ -163,20 +163,20 @@ def test_overload_is_a_429_before_anything_is_built():
     assert built == [] and client.submitted == []
 
 
-def test_a_request_that_cannot_fit_is_a_400_and_its_seats_go_back():
+def test_a_request_that_cannot_fit_is_a_400_and_its_places_go_back():
     client = FakeClient(inputs(max_model_len=8))
     with pytest.raises(APIError) as e:
         generate(client, CompletionEndpoint, CompletionRequest(prompt=[1, 2, 3], max_tokens=6, n=2))
     assert e.value.status == 400 and e.value.body["error"]["code"] == "context_length_exceeded"
     assert e.value.body["error"]["param"] == "prompt"
-    assert client.submitted == [] and client.seats.reserved == 0
+    assert client.submitted == [] and client.places.reserved == 0
 
 
 def test_more_sequences_than_may_wait_is_a_400_naming_n():
     client = FakeClient(inputs(), AdmissionLimits(max_waiting_requests=2))
     with pytest.raises(APIError) as e:
         generate(client, CompletionEndpoint, CompletionRequest(prompt=[1, 2, 3], max_tokens=2, n=3))
-    assert e.value.status == 400 and e.value.body["error"]["param"] == "n" and client.seats.reserved == 0
+    assert e.value.status == 400 and e.value.body["error"]["param"] == "n" and client.places.reserved == 0
 
 
 def test_a_prompt_longer_than_may_queue_is_a_400():
@@ -184,7 +184,7 @@ def test_a_prompt_longer_than_may_queue_is_a_400():
     with pytest.raises(APIError) as e:
         generate(client, CompletionEndpoint, CompletionRequest(prompt=[1, 2, 3], max_tokens=2))
     assert e.value.status == 400 and "--max-queued-tokens" in e.value.body["error"]["message"]
-    assert client.submitted == [] and client.seats.reserved == 0
+    assert client.submitted == [] and client.places.reserved == 0
 
 
 def test_a_refusal_halfway_aborts_what_was_submitted_and_returns_every_seat():
@@ -193,7 +193,7 @@ def test_a_refusal_halfway_aborts_what_was_submitted_and_returns_every_seat():
         generate(client, CompletionEndpoint, CompletionRequest(prompt=[1, 2, 3], max_tokens=2, n=3))
     assert e.value.status == 429
     assert [x.request_id for x in client.submitted] == ["client-1-0"] and client.aborted == ["client-1-0"]
-    assert client.seats.reserved == 0 and not client.live
+    assert client.places.reserved == 0 and not client.live
 
 
 def test_unknown_model_is_a_404_before_any_seat():
