@@ -586,6 +586,21 @@ def slowed(engine, seconds: float) -> None:
     engine.runner.run = slow_run
 
 
+def _two_long_prompts_at_once(engine, bound: float) -> None:
+    """Two 3,000-token completions sent together under --max-queue-wait-s `bound`: both must get 200."""
+    prompts = [[1000 + (7 * i + k) % 20000 for k in range(3000)] for i in range(2)]
+    with running_server(engine, AdmissionLimits(max_queue_wait_s=bound)) as (base, state):
+        async def both():
+            async with httpx.AsyncClient(timeout=600) as c:
+                return await asyncio.gather(*[c.post(f"{base}/v1/completions", json={
+                    "prompt": p, "max_tokens": 2, "ignore_eos": True}) for p in prompts])
+
+        results = asyncio.run(both())
+        assert [r.status_code for r in results] == [200, 200], [r.text for r in results]
+        assert all(r.json()["usage"]["prompt_tokens"] == 3000 for r in results)
+        _wait_idle(state)
+
+
 def test_scheduled_requests_are_never_refused_for_their_wait(make_engine):
     """--max-queue-wait-s bounds the wait to be scheduled, not the time to the first token: two ~3,000-token prompts
     scheduled in the same step, each prefill longer than the bound (every step outlasts it), both get 200."""
@@ -601,17 +616,7 @@ def test_scheduled_requests_are_never_refused_for_their_wait(make_engine):
         return step(*args, **kwargs)
 
     engine.step = step_once_both_queued
-    prompts = [[1000 + (7 * i + k) % 20000 for k in range(3000)] for i in range(2)]
-    with running_server(engine, AdmissionLimits(max_queue_wait_s=bound)) as (base, state):
-        async def both():
-            async with httpx.AsyncClient(timeout=600) as c:
-                return await asyncio.gather(*[c.post(f"{base}/v1/completions", json={
-                    "prompt": p, "max_tokens": 2, "ignore_eos": True}) for p in prompts])
-
-        results = asyncio.run(both())
-        assert [r.status_code for r in results] == [200, 200], [r.text for r in results]
-        assert all(r.json()["usage"]["prompt_tokens"] == 3000 for r in results)
-        _wait_idle(state)
+    _two_long_prompts_at_once(engine, bound)
 
 
 def test_a_request_with_a_free_seat_is_never_refused_for_the_prefill_ahead(make_engine):
@@ -621,16 +626,7 @@ def test_a_request_with_a_free_seat_is_never_refused_for_the_prefill_ahead(make_
     bound = 1.0
     engine = make_engine(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=2048, max_step_ms=0)
     slowed(engine, bound + 0.2)
-    prompts = [[1000 + (7 * i + k) % 20000 for k in range(3000)] for i in range(2)]
-    with running_server(engine, AdmissionLimits(max_queue_wait_s=bound)) as (base, state):
-        async def both():
-            async with httpx.AsyncClient(timeout=600) as c:
-                return await asyncio.gather(*[c.post(f"{base}/v1/completions", json={
-                    "prompt": p, "max_tokens": 2, "ignore_eos": True}) for p in prompts])
-
-        results = asyncio.run(both())
-        assert [r.status_code for r in results] == [200, 200], [r.text for r in results]
-        _wait_idle(state)
+    _two_long_prompts_at_once(engine, bound)
 
 
 def test_a_request_not_scheduled_within_the_bound_gets_429_with_an_estimated_retry_after(make_engine):
