@@ -8,8 +8,8 @@ PAGEDSERVE_REQUIRE_KERNELS=1 (the test suite, CI) a failed build raises instead,
 pass as a skipped one.
 
 Ops registered (torch.ops.pagedserve.*): paged_attention; dense_linear; int8_linear, int4_linear, int6_linear,
-int8_gemm, int4_gemm, int6_gemm, their AMX forms int8_amx_gemm, int4_amx_gemm, int6_amx_gemm and amx_int8 (whether
-this build and CPU run them); rms_norm, add_rms_norm, rope_, silu_and_mul; decode_layer.
+int8_gemm, int4_gemm, int6_gemm, their int8-code forms int8_int8_gemm, int4_int8_gemm, int6_int8_gemm (on AMX or
+VNNI), amx_int8 and vnni_int8 (whether this build and CPU run them); rms_norm, add_rms_norm, rope_, silu_and_mul; decode_layer.
 """
 
 from __future__ import annotations
@@ -99,8 +99,15 @@ def load() -> bool:
     return True
 
 
-def amx_int8() -> bool:
-    """Whether the loaded kernels run the AMX-INT8 GEMMs: built for a CPU with AMX, and the OS granted the tiles."""
+def vnni_int8() -> bool:
+    """Whether our kernels run the int8 GEMMs on AVX512-VNNI registers: they built, for a CPU with it."""
     import torch
 
-    return bool(torch.ops.pagedserve.amx_int8())
+    return load() and bool(torch.ops.pagedserve.vnni_int8())
+
+
+def amx_int8() -> bool:
+    """Whether our kernels run the AMX-INT8 GEMMs: they built, for a CPU with AMX, and the OS granted the tiles."""
+    import torch
+
+    return load() and bool(torch.ops.pagedserve.amx_int8())

@@ -15,10 +15,10 @@ if not torch.cuda.is_available():  # Triton kernels run interpreted on the CPU; 
 os.environ["PAGEDSERVE_REQUIRE_KERNELS"] = "1"
 from pagedserve.engine.machine import cpu  # noqa: E402
 
-# The AMX-INT8 GEMM (only on AMX CPUs) is off here, so the exact-parity tests hold on every CI CPU; its own tests
-# (test_quant.py) turn it on where the CPU has it.
+# The int8 GEMMs (AMX-INT8, VNNI) are off here, so the exact-parity tests hold on every CI CPU; their own tests
+# (test_quant.py) turn them on where the CPU has them.
 os.environ.setdefault("PAGEDSERVE_KERNEL_POLICY", f"auto_bf16={'on' if cpu().native_bf16 else 'off'},"
-                      "prepack_fp32=on,torch_int_bf16=on,quant_gemm_amx=off")
+                      "prepack_fp32=on,torch_int_bf16=on,quant_gemm_amx=off,quant_gemm_vnni=off")
 
 from pagedserve.engine import LLMEngine, SamplingParams, make_config  # noqa: E402
 from pagedserve.engine.config import ModelConfig, bundled_model_path  # noqa: E402

@@ -88,6 +88,26 @@ def test_kernels_compute_with_the_files_values(tmp_path, kinds):
             assert rel < quant_tolerance(lin, x, 2e-2 if dtype == torch.bfloat16 else 1e-5), (dtype, m, rel)
 
 
+@pytest.mark.parametrize("kinds", [("Q4_K",), ("Q6_K",), ("Q8_0",), ("Q4_K", "Q4_K", "Q6_K")],
+                         ids=["Q4_K", "Q6_K", "Q8_0", "Q4_K+Q6_K"])
+def test_int8_gemm_computes_with_the_files_values(tmp_path, kinds):
+    """The many-row GEMM on int8 codes of both sides (VNNI registers here; the AMX tiles take the same codes)
+    against the dense product of the file's values: K-quants' coded sub-block scales and 6-bit codes included."""
+    if not cpu_kernels.vnni_int8():
+        pytest.skip("this CPU or build has no AVX512-VNNI")
+    parts = _written(tmp_path, list(kinds), rows=48, cols=1024)
+    ref = torch.cat([b.dequantize() for b in parts])
+    lin = Linear(ref.shape[1], ref.shape[0])
+    lin.quantize_to(cat([b.storage() for b in parts]))
+    lin.select_kernels(KernelTable(cpp=True, quant_gemm_vnni=True, quant_gemm_int8_min_weights=0),
+                       torch.device("cpu"), torch.float32)
+    assert "VNNI int8 GEMM" in lin.describe_routes()
+    torch.manual_seed(0)
+    x = torch.randn(70, ref.shape[1])
+    want = x @ ref.t()
+    assert ((lin(x) - want).norm() / want.norm()).item() < 3e-2
+
+
 def test_llama_cpp_type_mix():
     """Q4_K_M as llama.cpp lays it out: the LM head and about half the layers' attn_v / ffn_down in Q6_K."""
     n = 22

@@ -3,6 +3,8 @@ directly, and the quantized engine on the bundled model."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -183,11 +185,25 @@ def test_int4_without_our_kernel_matches(zero):
         assert _rel(lin_theirs(x), x @ ref_w.t()) < TOL[theirs.kernel_dtype] * 2
 
 
-AMX = pytest.mark.skipif(not (torch.ops.pagedserve.amx_int8() if cpu_kernels.load() else False),
-                         reason="this CPU has no AMX-INT8 (the GEMM's other paths are tested on every CPU)")
-AMX_TABLE = KernelTable(cpp=True, quant_gemm_amx=True, quant_gemm_amx_min_weights=0)
+def _has(engine: str) -> bool:
+    if not cpu_kernels.load():
+        return False
+    return cpu_kernels.amx_int8() if engine == "amx" else cpu_kernels.vnni_int8()
+
+
+# the int8 GEMM's two engines, each where the CPU has it (the bf16 tiles are tested on every CPU)
+INT8_ENGINES = [pytest.param(e, marks=pytest.mark.skipif(not _has(e), reason=f"this CPU or build has no {e}"))
+                for e in ("vnni", "amx")]
+INT8_LABEL = {"vnni": "VNNI int8", "amx": "AMX-INT8"}
+
+
+def int8_table(engine: str, min_weights: int = 0) -> KernelTable:
+    return KernelTable(cpp=True, quant_gemm_amx=engine == "amx", quant_gemm_vnni=engine == "vnni",
+                       quant_gemm_int8_min_weights=min_weights)
+
+
 # x and W both as int8 codes with a scale per row, smoothed per channel: ~1e-2 for Gaussian x (measured 1.1e-2)
-AMX_TOL = 3e-2
+INT8_TOL = 3e-2
 
 
 def _amx_weights() -> list:
@@ -208,35 +224,41 @@ def _q4_1(w: torch.Tensor) -> Int4Weight:
 @pytest.mark.parametrize("which", range(3))
 def test_column_absmax_matches_dequantize(which):
     qw = _amx_weights()[which]
-    linear(qw, torch.float32, AMX_TABLE)  # lays out the panels and takes the maxima
+    linear(qw, torch.float32, int8_table("vnni"))  # lays out the panels and takes the maxima
     assert torch.equal(qw.column_max, qw.dequantize(torch.float32).abs().amax(0))
 
 
-def test_amx_route_choice():
-    """Decoder projections with K in whole tiles take the AMX GEMM above the GEMV's rows; the LM head
-    (`row_int8=False`), a K of 32 and a matrix under quant_gemm_amx_min_weights keep the bf16 tiles."""
+@pytest.mark.parametrize("engine", ["vnni", "amx"])
+def test_int8_route_choice(engine):
+    """Decoder projections with K in whole tiles take the int8 GEMM above the GEMV's rows (AMX where the table
+    grants both); the LM head (`row_int8=False`), a K of 32 and a matrix under quant_gemm_int8_min_weights keep
+    the bf16 tiles. The table alone decides: no kernel runs here."""
+    table = int8_table(engine)
     qw = _amx_weights()[0]
-    assert "rows 65+: int4 AMX-INT8 GEMM (ours)" in linear(qw, torch.float32, AMX_TABLE).describe_routes()
+    assert f"rows 65+: int4 {INT8_LABEL[engine]} GEMM (ours)" in linear(qw, torch.float32, table).describe_routes()
+    both = dataclasses.replace(table, quant_gemm_amx=True, quant_gemm_vnni=True)
+    assert "AMX-INT8" in linear(_amx_weights()[0], torch.float32, both).describe_routes()
     head = Linear(192, 48, row_int8=False)
     head.quantize_to(_amx_weights()[0])
-    head.select_kernels(AMX_TABLE, torch.device("cpu"), torch.float32)
+    head.select_kernels(table, torch.device("cpu"), torch.float32)
     assert "rows 65+: int4 tiled GEMM (ours)" in head.describe_routes()
     odd = Int4Weight.quantize(torch.randn(16, 96), 32)
-    assert "tiled GEMM" in linear(odd, torch.float32, AMX_TABLE).describe_routes()
-    small = KernelTable(cpp=True, quant_gemm_amx=True, quant_gemm_amx_min_weights=48 * 192 + 1)
+    assert "tiled GEMM" in linear(odd, torch.float32, table).describe_routes()
+    small = int8_table(engine, min_weights=48 * 192 + 1)
     assert "tiled GEMM" in linear(_amx_weights()[0], torch.float32, small).describe_routes()
 
 
-@AMX
+@pytest.mark.parametrize("engine", INT8_ENGINES)
 @pytest.mark.parametrize("which", range(3))
 @pytest.mark.parametrize("dtype", ACT_DTYPES)
 @pytest.mark.parametrize("m", [65, 97, 200])
-def test_amx_gemm_matches_reference(which, dtype, m):
-    """Every row count (tails of the 32-row blocks), the three panel formats, a column of x all zero and one 50x
-    the rest (what the smoothing is for): the AMX GEMM against x @ dequantize(W)^T."""
+def test_int8_gemm_matches_reference(engine, which, dtype, m):
+    """Every row count (tails of the 32-row blocks and of VNNI's 8-row register blocks), the three panel formats, a
+    column of x all zero and one 50x the rest (what the smoothing is for): the int8 GEMM against
+    x @ dequantize(W)^T."""
     qw = _amx_weights()[which]
-    lin = linear(qw, dtype, AMX_TABLE)
-    assert "AMX-INT8" in lin.describe_routes()
+    lin = linear(qw, dtype, int8_table(engine))
+    assert INT8_LABEL[engine] in lin.describe_routes()
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, 192, generator=gen)
     x[:, 7] = 0
@@ -244,32 +266,33 @@ def test_amx_gemm_matches_reference(which, dtype, m):
     x = x.to(dtype)
     ref = x.float() @ qw.dequantize(torch.float32).t()
     y = lin(x)
-    assert y.dtype == dtype and _rel(y, ref) < AMX_TOL
+    assert y.dtype == dtype and _rel(y, ref) < INT8_TOL
     assert torch.equal(y, lin(x))  # deterministic
     assert torch.equal(lin(x[:40]), linear(qw, dtype)(x[:40]))  # the GEMV rows are untouched
 
 
-@AMX
+@pytest.mark.parametrize("engine", INT8_ENGINES)
 @pytest.mark.parametrize("dtype", ACT_DTYPES)
-def test_amx_gated_is_silu_of_the_projection(dtype):
+def test_int8_gated_is_silu_of_the_projection(engine, dtype):
     """A fused gate|up weight: SiLU(gate) * up computed in the GEMM equals the projection, then the activation,
     to the bit (the same sums, rounded where the two-step path stores them); the GEMV rows take the two steps."""
     from pagedserve.engine.layers.activation import SiluAndMul
 
     gen = torch.Generator().manual_seed(5)
     qw = _q4_1(torch.randn(96, 192, generator=gen) * 0.05)  # gate and up: 3 panels each
-    lin = linear(qw, dtype, AMX_TABLE)
+    table = int8_table(engine)
+    lin = linear(qw, dtype, table)
     act = SiluAndMul()
-    act.select_kernels(AMX_TABLE, torch.device("cpu"))
+    act.select_kernels(table, torch.device("cpu"))
     for m in (65, 100, 7):
         x = torch.randn(m, 192, generator=gen).to(dtype)
         fused = lin.gated(x, act)
         assert fused.shape == (m, 48) and torch.equal(fused, act(lin(x))), m
 
 
-@AMX
-def test_amx_engine_agrees_with_bf16_tiles(smollm):
-    """The bundled model's prompt logprobs with the AMX GEMM against the bf16-tile GEMM: top-1 the same at nearly
+@pytest.mark.parametrize("engine", INT8_ENGINES)
+def test_int8_engine_agrees_with_bf16_tiles(engine, smollm):
+    """The bundled model's prompt logprobs with the int8 GEMM against the bf16-tile GEMM: top-1 the same at nearly
     every position (perplexity within 1 %: `pagedserve eval`, docs/performance.md)."""
     from pagedserve.engine import LLM, SamplingParams
 
@@ -277,10 +300,10 @@ def test_amx_engine_agrees_with_bf16_tiles(smollm):
     ids = smollm.tokenizer.encode(text * 2, add_special_tokens=False)[:160]
     sp = SamplingParams(max_tokens=0, prompt_logprobs=1)
     outs = []
-    for policy in ("quant_gemm_amx=off", "quant_gemm_amx=on,quant_gemm_amx_min_weights=0"):
+    for policy in (f"quant_gemm_{engine}=off", f"quant_gemm_{engine}=on,quant_gemm_int8_min_weights=0"):
         llm = LLM(smollm.path, dtype="float32", kernel_policy=policy, memory_gib=0.25)
         routes = llm.engine.runner.model.layers[0].mlp.gate_up_proj.describe_routes()
-        assert ("AMX-INT8" in routes) == policy.endswith("=0")
+        assert (INT8_LABEL[engine] in routes) == policy.endswith("=0")
         outs.append(llm.generate([ids], sp)[0].prompt_logprobs[1:])
         del llm
     same = sum(a.top[0][0] == b.top[0][0] for a, b in zip(*outs))

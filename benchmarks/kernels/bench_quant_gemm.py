@@ -1,11 +1,11 @@
-"""Prefill-sized GEMMs on quantized panels: bf16 tiles through oneDNN against the AMX-INT8 GEMM.
+"""Prefill-sized GEMMs on quantized panels: bf16 tiles through oneDNN against the int8 GEMM (VNNI, AMX-INT8).
 
 One prompt's worth of rows (--rows) through each projection of a decoder layer (Llama-3.2-1B's shapes, or
 SmolLM2-135M's with --model 135m), the weights int4 with a scale and a bias per 32 (llama.cpp's Q4_1, random
 values), bf16 activations; gate|up with the MLP's SiLU(gate) * up after it (the AMX GEMM computes it in its epilogue).
-Rounds alternate the two routes; the table shows each one's best time, the rate it
-implies (2 M N K operations) and the speed-up, and the relative error of each against x @ dequantize(W)^T. The
-AMX column needs a CPU with AMX-INT8 (it is left out elsewhere).
+Rounds alternate the routes; the table shows each one's best time, the rate it
+implies (2 M N K operations) and the speed-up over the bf16 tiles, and the relative error of each against
+x @ dequantize(W)^T. The VNNI column needs AVX512-VNNI, the AMX one AMX-INT8 (each is left out elsewhere).
 
     python benchmarks/kernels/bench_quant_gemm.py [--model 1b|135m] [--rows 2048] [--rounds 5] [--threads 2]
 """
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not cpu_kernels.load():
         sys.exit("the C++ kernels did not build")
-    amx = cpu_kernels.amx_int8()
+    engines = [e for e, has in (("VNNI", cpu_kernels.vnni_int8()), ("AMX", cpu_kernels.amx_int8())) if has]
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     rows, results = [], {}
@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         gated = name == "gate_up"  # with the MLP's SiLU(gate) * up, as the model runs it
         act = torch.ops.pagedserve.silu_and_mul if gated else (lambda y: y)
         paths = {"bf16 tiles": lambda w=w, x=x, act=act: act(w.gemm(x))}
-        if amx:
-            paths["AMX-INT8"] = lambda w=w, x=x, g=gated: w.amx_gemm(x, silu_mul=g)
+        for e in engines:
+            paths[e] = lambda w=w, x=x, g=gated, amx=e == "AMX": w.int8_gemm(x, silu_mul=g, amx=amx)
         best = best_us(args.rounds, paths, 1)
         ref = x.float() @ w.dequantize(torch.float32).t()
         if gated:
@@ -68,16 +68,16 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"shape": [n, k], "best_us": best, "rel_error": err}
         row = [name, f"{n}x{k}", f"{best['bf16 tiles'] / 1e3:.2f}", f"{ops / best['bf16 tiles'] / 1e6:.2f}",
                f"{err['bf16 tiles']:.1e}"]
-        if amx:
-            row += [f"{best['AMX-INT8'] / 1e3:.2f}", f"{ops / best['AMX-INT8'] / 1e6:.2f}", f"{err['AMX-INT8']:.1e}",
-                    common.ratio(best["bf16 tiles"], best["AMX-INT8"])]
+        for e in engines:
+            row += [f"{best[e] / 1e3:.2f}", f"{ops / best[e] / 1e6:.2f}", f"{err[e]:.1e}",
+                    common.ratio(best["bf16 tiles"], best[e])]
         rows.append([name + (" + SiLU*up" if gated else "")] + row[1:])
     headers = ["projection", "N x K", "bf16 tiles ms", "TFLOP/s", "rel. error"]
-    if amx:
-        headers += ["AMX-INT8 ms", "TOPS", "rel. error", "speed-up"]
+    for e in engines:
+        headers += [f"{e} ms", "TOPS", "rel. error", "speed-up"]
     text = common.table(headers, rows, f"{args.model} projections at {args.rows} rows, {args.threads} threads, best "
-                        f"of {args.rounds} interleaved rounds" + ("" if amx else " (no AMX-INT8 on this CPU)"))
-    common.write_json(args.json, {"model": args.model, "rows": args.rows, "amx": amx, "results": results,
+                        f"of {args.rounds} interleaved rounds; int8 GEMMs: {', '.join(engines) or 'none on this CPU'}")
+    common.write_json(args.json, {"model": args.model, "rows": args.rows, "engines": engines, "results": results,
                                   "table": text})
     return 0
 

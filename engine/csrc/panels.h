@@ -190,6 +190,38 @@ inline void dequant_panel_row(const uint8_t* c, int64_t r, const float* sc, cons
     }
   }
 }
+
+// the same for 6-bit panels, a block of 32 codes at a time: row r's 16 nibble bytes (4 steps of 4) and 8 piece
+// bytes (2 x 4), the pieces spread to the nibble bytes they extend and shifted into place by bytes, then the codes
+// put in k order (byte i of a step: codes i and 4 + i) and widened 16 at a time
+template <typename T>
+inline void dequant_panel_row6(const uint8_t* c, int64_t r, const float* sc, const float* bi, int64_t K,
+                               int64_t group, T* o) {
+  const __m128i nib = _mm_set1_epi8(15), two = _mm_set1_epi8(3);
+  // byte 4s + i takes piece byte 4 (s / 2) + i, its bits 4 (s % 2) and up
+  const __m128i spread = _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7);
+  constexpr __mmask16 odd_steps = 0xF0F0;
+  for (int64_t b = 0; b < K / XB; ++b) {
+    const uint8_t* blk = c + b * BLOCK6 + 4 * r;
+    int32_t n4[4], p4[2];
+    for (int s = 0; s < 4; ++s) std::memcpy(n4 + s, blk + 64 * s, 4);
+    for (int h = 0; h < 2; ++h) std::memcpy(p4 + h, blk + 256 + 64 * h, 4);
+    const __m128i n = _mm_setr_epi32(n4[0], n4[1], n4[2], n4[3]);
+    __m128i pc = _mm_shuffle_epi8(_mm_setr_epi32(p4[0], p4[1], 0, 0), spread);
+    pc = _mm_mask_mov_epi8(pc, odd_steps, _mm_srli_epi16(pc, 4));
+    const __m128i lo = _mm_or_si128(_mm_and_si128(n, nib), _mm_slli_epi16(_mm_and_si128(pc, two), 4));
+    const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(n, 4), nib),
+                                    _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(pc, 2), two), 4));
+    const __m128i codes[2] = {_mm_unpacklo_epi32(lo, hi), _mm_unpackhi_epi32(lo, hi)};  // codes 0-15, 16-31
+    __m512 f[2];
+    for (int h = 0; h < 2; ++h) {
+      const int64_t g = (b * XB + 16 * h) / group;
+      const __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes[h])), _mm512_set1_ps(32.f));
+      f[h] = _mm512_fmadd_ps(v, _mm512_set1_ps(sc[g]), _mm512_set1_ps(bi[g]));
+    }
+    store32(o + b * XB, f[0], f[1]);
+  }
+}
 #endif
 
 // row r of panel p back to K values in o, given its groups' scales sc and biases bi
@@ -199,6 +231,12 @@ void dequant_row(const uint8_t* codes, int64_t p, int64_t r, const float* sc, co
   constexpr int PER = BITS == 8 ? 4 : 8;
   const uint8_t* c = codes + p * PANEL * K * BITS / 8;
   if constexpr (BITS == 6) {  // per 32 codes: the 4 nibble steps and their 2 pieces, then scale and bias
+#ifdef PAGEDSERVE_AVX512
+    if constexpr (!std::is_same_v<T, double>) {
+      dequant_panel_row6(c, r, sc, bi, K, group, o);
+      return;
+    }
+#endif
     uint8_t code[XB];
     for (int64_t b = 0; b < K / XB; ++b) {
       const uint8_t* blk = c + b * BLOCK6 + 4 * r;

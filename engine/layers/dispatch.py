@@ -54,12 +54,14 @@ class KernelTable:
     fused_decode_max_rows: int = 8
     # int8/int4 in our panels: our GEMV up to this many rows, our tiled GEMM above (bench_quant_linear.py)
     quant_gemv_max_rows: int = 64
-    # ... and that GEMM on AMX-INT8 (int8 codes of activations and weights) instead of bf16 tiles, where the CPU
-    # and the build have AMX (bench_quant_gemm.py; quality: `pagedserve eval`, docs/performance.md)
+    # ... and that GEMM on int8 codes of activations and weights instead of bf16 tiles: on AMX-INT8 where the CPU
+    # and the build have AMX, else on AVX512-VNNI where it measured faster than the bf16 tiles
+    # (probe_quant_gemm_vnni; bench_quant_gemm.py; quality: `pagedserve eval`, docs/performance.md)
     quant_gemm_amx: bool = False
+    quant_gemm_vnni: bool = False
     # ... for projections of at least this many weights: at SmolLM2-135M's sizes the per-call costs (column maxima,
     # re-quantization) outweigh the faster GEMM (bench_quant_gemm.py --model 135m)
-    quant_gemm_amx_min_weights: int = 1 << 21
+    quant_gemm_int8_min_weights: int = 1 << 21
     # without our kernels: torch's `_weight_int8pack_mm` up to this many rows, a GEMM on the codes above
     torch_int8_max_rows: int = 8
     # without our kernels, fp32 models: torch's packed int kernels run in bf16 (probe_torch_int_bf16)
@@ -124,6 +126,8 @@ def kernel_table(device: torch.device, dtype: torch.dtype | None = None, policy:
         raise ValueError("kernel policy cpp=on, but the C++ kernels did not build")
     if pinned.get("quant_gemm_amx") and not (cpp and cpu_kernels.amx_int8()):
         raise ValueError("kernel policy quant_gemm_amx=on, but this CPU or build has no AMX-INT8")
+    if pinned.get("quant_gemm_vnni") and not (cpp and cpu_kernels.vnni_int8()):
+        raise ValueError("kernel policy quant_gemm_vnni=on, but this CPU or build has no AVX512-VNNI")
 
     def decide(name: str, applies: bool, probe: Callable[[], tuple[bool, str]]) -> bool:
         if name in pinned:
@@ -131,6 +135,7 @@ def kernel_table(device: torch.device, dtype: torch.dtype | None = None, policy:
         return applies and measured(name, probe)
 
     fp32 = dtype == torch.float32
+    amx = pinned.get("quant_gemm_amx", cpp and cpu_kernels.amx_int8())
     table = KernelTable(
         cpp=cpp,
         auto_bf16=decide("auto_bf16", dtype is None and (machine.native_bf16 or not machine.is_x86),
@@ -139,7 +144,8 @@ def kernel_table(device: torch.device, dtype: torch.dtype | None = None, policy:
         prepack_fp32=decide("prepack_fp32", fp32, probe_prepack_fp32),
         torch_int_bf16=decide("torch_int_bf16", fp32 and not cpp, probe_torch_int_bf16),
         attention_kernel_bf16_all="avx512_bf16" in (machine.flags or ()) and not machine.amx,
-        quant_gemm_amx=cpp and cpu_kernels.amx_int8(),
+        quant_gemm_amx=amx,
+        quant_gemm_vnni=decide("quant_gemm_vnni", cpp and not amx and cpu_kernels.vnni_int8(), probe_quant_gemm_vnni),
     )
     return dataclasses.replace(table, **pinned)
 
@@ -164,6 +170,9 @@ BF16_PROBE_SHAPE = (64, 576, 1536)
 PACK_MIN_SPEEDUP = 1.1
 PACK_PROBE_SHAPES = ((4, 576, 3072), (256, 576, 1536))  # a decode-sized and a prefill-sized GEMM
 TORCH_INT_MIN_SPEEDUP = 1.5
+# the VNNI int8 GEMM must beat the bf16-tile GEMM by this factor (its activations lose precision to int8 codes)
+VNNI_MIN_SPEEDUP = 1.2
+VNNI_PROBE_SHAPE = (256, 1024, 1024)  # (M, K, N): a prefill chunk through a 1B-sized projection
 
 
 def _machine_key() -> str:
@@ -279,3 +288,26 @@ def probe_torch_int_bf16() -> tuple[bool, str]:
     fp32_ms, bf16_ms = run(torch.float32), run(torch.bfloat16)
     detail = f"torch int4 kernel, M = 1: fp32 activations {fp32_ms:.3f} ms, bf16 {bf16_ms:.3f} ms"
     return bf16_ms * TORCH_INT_MIN_SPEEDUP <= fp32_ms, detail
+
+
+def probe_quant_gemm_vnni(timer: Callable[[bool], float] | None = None) -> tuple[bool, str]:
+    """Our int4 panels' many-row GEMM on VNNI int8 codes against bf16 tiles (fp32 where bf16 is not native).
+    How fast vpdpbusd runs against the bf16 units differs between CPUs with the same flags (one 512-bit unit or
+    two, or 256-bit halves), so it is measured."""
+    from ..quant.layouts import rows_to_panels, to_panels
+
+    m, k, n = VNNI_PROBE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    codes = to_panels(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen))
+    scale = rows_to_panels((torch.rand(n, k // 32, generator=gen) * 1e-3).half())
+    bias = rows_to_panels((torch.randn(n, k // 32, generator=gen) * 1e-3).half())
+    dtype = torch.bfloat16 if cpu().native_bf16 else torch.float32
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    ops = torch.ops.pagedserve
+    wmax = ops.panel_column_absmax(codes, scale, bias, None, None, 4, k)
+    timer = timer or (lambda vnni: _median_ms(
+        (lambda: ops.int4_int8_gemm(x, codes, scale, bias, None, None, wmax)) if vnni else
+        (lambda: ops.int4_gemm(x, codes, scale, bias)), 5))
+    tiles_ms, vnni_ms = timer(False), timer(True)
+    detail = f"int4 GEMM {VNNI_PROBE_SHAPE}: {dtype} tiles {tiles_ms:.3f} ms, VNNI int8 {vnni_ms:.3f} ms"
+    return vnni_ms * VNNI_MIN_SPEEDUP <= tiles_ms, detail

@@ -9,6 +9,7 @@ through them; the `Linear` holding it runs them and knows no format.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
@@ -160,16 +161,19 @@ class GroupedWeight(QuantWeight):
         self.lay_out(device, "panels" if self.our_kernels(table, device) else self.row_major)
 
     def panel_routes(self, table: KernelTable, row_int8: bool) -> list[Route]:
-        """In our panels: our GEMV for a few rows, then our GEMM, on AMX-INT8 where the table says so (K in whole
-        tiles, the matrix large enough), else on bf16 tiles."""
+        """In our panels: our GEMV for a few rows, then our GEMM: on int8 codes of both sides (AMX tiles, else VNNI
+        registers) where the table says so, K is in whole tiles and the matrix is large enough, else on bf16 tiles."""
         n, k = self.shape
         gemv = Route(table.quant_gemv_max_rows, f"{self.kind} GEMV (ours)", self.gemv)
-        if table.quant_gemm_amx and row_int8 and k % 64 == 0 and n * k >= table.quant_gemm_amx_min_weights:
+        engine = "AMX-INT8" if table.quant_gemm_amx else "VNNI int8" if table.quant_gemm_vnni else None
+        if engine and row_int8 and k % 64 == 0 and n * k >= table.quant_gemm_int8_min_weights:
             if self.column_max is None:
                 self.column_max = self.column_absmax()
+            amx = engine == "AMX-INT8"
             # no padding: our kernel keeps nothing per shape
-            gated = (lambda x: self.amx_gemm(x, silu_mul=True)) if n % 32 == 0 else None  # gate, up: whole panels
-            return [gemv, Route(ANY, f"{self.kind} AMX-INT8 GEMM (ours)", self.amx_gemm, gated)]
+            gemm = functools.partial(self.int8_gemm, amx=amx)
+            gated = functools.partial(self.int8_gemm, silu_mul=True, amx=amx) if n % 32 == 0 else None  # whole panels
+            return [gemv, Route(ANY, f"{self.kind} {engine} GEMM (ours)", gemm, gated)]
         return [gemv, Route(ANY, f"{self.kind} tiled GEMM (ours)", padded(self.gemm))]
 
     # ---- our kernels, on panels (`panel_routes`) --------------------------------------------------------------
@@ -184,12 +188,12 @@ class GroupedWeight(QuantWeight):
         """Cache-sized tiles dequantized to x's dtype, each through oneDNN's GEMM."""
         return self._op("gemm")(x, self.codes, *self.values())
 
-    def amx_gemm(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """AMX: int8 codes of x (a scale per row) times the weights re-quantized to int8 per row, both sides
-        smoothed per channel by the column maxima (`column_absmax`, taken when the route is chosen), the channels
-        with the largest maxima apart with scales of their own (engine/csrc/amx_gemm.cpp).
+    def int8_gemm(self, x: torch.Tensor, silu_mul: bool = False, amx: bool = False) -> torch.Tensor:
+        """int8 codes of x (a scale per row) times the weights re-quantized to int8 per row, both sides smoothed per
+        channel by the column maxima (`column_absmax`, taken when the route is chosen), the channels with the
+        largest maxima apart with scales of their own, on AMX tiles or VNNI registers (engine/csrc/int8_gemm.cpp).
         `silu_mul` (a fused gate|up weight): SiLU(gate) * up, computed as the products are."""
-        return self._op("amx_gemm")(x, self.codes, *self.values(), self.column_max, silu_mul)
+        return self._op("int8_gemm")(x, self.codes, *self.values(), self.column_max, silu_mul, amx)
 
     def column_absmax(self) -> torch.Tensor:
         """max over rows of |w| per column, fp32 [K]."""
