@@ -9,7 +9,8 @@ pass as a skipped one.
 
 Ops registered (torch.ops.pagedserve.*): paged_attention; dense_linear; int8_linear, int4_linear, int6_linear,
 int8_gemm, int4_gemm, int6_gemm, their int8-code forms int8_int8_gemm, int4_int8_gemm, int6_int8_gemm (on AMX or
-VNNI), amx_int8 and vnni_int8 (whether this build and CPU run them); rms_norm, add_rms_norm, rope_, silu_and_mul; decode_layer.
+VNNI), amx_int8 and vnni_int8 (whether this build and CPU run them); rms_norm, add_rms_norm, rope_, silu_and_mul;
+decode_layer.
 """
 
 from __future__ import annotations
