@@ -53,11 +53,12 @@ def main(argv: list[str] | None = None) -> None:
 
         def contestant(tree):
             def run() -> dict:
-                proc, url = steady_streams.serve(tree, model, tok, args.serve_args.split(), log)
+                proc, url = common.serve(tree, ["--model", model, "--log-level", "warning",
+                                                *(["--tokenizer", tok] if tok else []), *args.serve_args.split()], log)
                 try:
-                    return {"rates": asyncio.run(_prefill(url, prompts))}
+                    return {"rates": asyncio.run(_prefill(url + "/v1", prompts))}
                 finally:
-                    steady_streams.stop(proc)
+                    common.stop(proc)
             return run
 
         results = common.interleaved(args.rounds, {label: contestant(tree) for label, tree in trees.items()})
