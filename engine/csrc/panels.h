@@ -1,6 +1,6 @@
 // Our quantized weights' panel layout, shared by the kernels that read it (quant_linear.cpp: the GEMV and the
-// bf16-tile GEMM; amx_gemm.cpp: the AMX-INT8 GEMM): the layout, a panel's group values, the operand checks, and
-// the dequantization of a panel row.
+// bf16-tile GEMM; int8_gemm.cpp: the int8 GEMM on AMX or VNNI): the layout, a panel's group values, the operand
+// checks, and the dequantization of a panel row.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -6,7 +6,7 @@
 // multiplying their integer codes by int8 codes of the activations, where torch's `_weight_int8pack_mm` stays
 // well below a bf16 GEMV's bandwidth (and slower still with fp32 activations; figures in docs/performance.md).
 // Both formats share one layout (panels.h) and one kernel (below); beyond the dispatch table's quant_gemv_max_rows
-// the caller dequantizes tiles and runs a GEMM (below), or on AMX multiplies int8 codes (amx_gemm.cpp).
+// the caller dequantizes tiles and runs a GEMM (below), or multiplies int8 codes on AMX or VNNI (int8_gemm.cpp).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -1,5 +1,5 @@
 // 16 lanes of T as fp32 on AVX-512: loads, rounding stores and SiLU * up, for the kernels that work a vector at a
-// time (amx_gemm.cpp's epilogue, layer_ops.cpp's SiLU * up, the panels' dequantization in panels.h).
+// time (int8_gemm.cpp's epilogue, layer_ops.cpp's SiLU * up, the panels' dequantization in panels.h).
 #pragma once
 
 #include <ATen/ATen.h>
