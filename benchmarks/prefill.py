@@ -45,19 +45,20 @@ def main(argv: list[str] | None = None) -> None:
     trees = common.trees(args.baseline_ref)
     with tempfile.TemporaryDirectory() as tmp:
         if args.size == "1b":
-            model, tok = os.path.join(tmp, f"1b-{args.quant}.gguf"), bundled_model_path()
-            gguf_quants.write_gguf(model, gguf_quants.SHAPES[steady_streams.ONE_B_SHAPE], args.quant)
+            tok = bundled_model_path()
+            model = gguf_quants.cached_gguf(steady_streams.ONE_B_SHAPE, args.quant, tokenizer_from=tok)
         else:
             model, tok = bundled_model_path(), None
         log = open(os.path.join(tmp, "servers.log"), "w")
 
         def contestant(tree):
             def run() -> dict:
-                proc, url = steady_streams.serve(tree, model, tok, args.serve_args.split(), log)
+                proc, url = common.serve(tree, ["--model", model, "--log-level", "warning",
+                                                *(["--tokenizer", tok] if tok else []), *args.serve_args.split()], log)
                 try:
-                    return {"rates": asyncio.run(_prefill(url, prompts))}
+                    return {"rates": asyncio.run(_prefill(url + "/v1", prompts))}
                 finally:
-                    steady_streams.stop(proc)
+                    common.stop(proc)
             return run
 
         results = common.interleaved(args.rounds, {label: contestant(tree) for label, tree in trees.items()})
