@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> None:
                          f"{m['p99_over_p50']:.2f}", f"{m['max_gap_ms']:.0f}",
                          f"{m['prefill_tok_s']:.0f}", common.ratio(m["prefill_tok_s"], base["prefill_tok_s"]),
                          f"{m['single_tpot_ms']:.1f}"])
-    quant = f"1b/8b {args.quant}, " if set(sizes) & set(SHAPES) else ""
+    written = [s for s in sizes if s in SHAPES]
+    quant = f"{'/'.join(written)} {args.quant}, " if written else ""
     text = common.table(["model", "requests", "server", "out tok/s", "vs this", "TTFT p50 s", "TPOT p50 ms",
                          "TPOT p99 ms", "p99/p50", "worst gap ms", "prefill tok/s", "vs this", "1-stream TPOT ms"],
                         rows, f"prose requests at once (medians of {args.rounds} interleaved rounds, one server up "
