@@ -220,28 +220,38 @@ def trees(baseline_refs: list[str]) -> dict[str, Path | None]:
 def serve(tree: Path | None, args: Sequence[str], log, bound_s: float = 900) -> tuple[subprocess.Popen, str]:
     """`pagedserve serve` from `tree` (None: this one) on a free loopback port, its output to the file `log`; returns
     the process and its base URL once it is ready (stop it with `stop`)."""
-    import httpx
-
     tree = tree or REPO
     module = "pagedserve.server" if (tree / "pagedserve").is_dir() else "server"  # before the package was named
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), *args],
-                            cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)), stdout=log, stderr=subprocess.STDOUT)
+    return launch([sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), *args], port,
+                  log, f"server from {tree}", bound_s, cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)))
+
+
+def launch(cmd: Sequence[str], port: int, log, what: str, bound_s: float = 900, cwd: Path | None = None,
+           env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Start `cmd`, a server that listens on 127.0.0.1:`port` (any engine), its output to the file `log`; returns
+    the process and its base URL once its /ready (or, for a server without one, /health) answers 200."""
+    import httpx
+
+    proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server from {tree} exited ({proc.returncode}):\n{_tail(log)}")
-        try:
-            r = httpx.get(url + "/ready", timeout=2, trust_env=False)
-            if r.status_code == 404:  # a tree from before /ready: its /health said the same
-                r = httpx.get(url + "/health", timeout=2, trust_env=False)
-            if r.status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    stop(proc)
-    raise RuntimeError(f"server from {tree} not healthy within {bound_s:.0f} s")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited ({proc.returncode}):\n{_tail(log)}")
+            try:
+                r = httpx.get(url + "/ready", timeout=2, trust_env=False)
+                if r.status_code == 404:  # an older tree, or another engine: its /health says the same
+                    r = httpx.get(url + "/health", timeout=2, trust_env=False)
+                if r.status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"{what} not healthy within {bound_s:.0f} s")
+    except BaseException:  # an interrupt while it loads too: no server is left behind
+        stop(proc)
+        raise
 
 
 def _tail(log) -> str:

@@ -14,9 +14,11 @@ are reported. The bars: Q4_K_M resident <= 1.15x its file, TPOT <= 1.1x Q4_0's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -26,6 +28,8 @@ SHAPES = {  # llama-architecture shapes whose matrices all tile by 256 (K-quant 
     "tinyllama-1.1b": dict(vocab=32000, hidden=2048, inter=5632, layers=22, heads=32, kv_heads=4),
     # Llama-3.2-1B's layers at SmolLM2's vocabulary, so the bundled tokenizer can drive it (--tokenizer)
     "llama-3.2-1b-smolvocab": dict(vocab=49152, hidden=2048, inter=8192, layers=16, heads=32, kv_heads=8),
+    # Llama-3.1-8B's layers, likewise at SmolLM2's vocabulary: its embedding and LM head are 49152 rows, not 128256
+    "llama-3.1-8b-smolvocab": dict(vocab=49152, hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8),
     "tiny": dict(vocab=512, hidden=256, inter=512, layers=2, heads=4, kv_heads=2),
 }
 # a typical |weight| of ~0.02 from random codes: each type's fp16 factors drawn at this scale
@@ -67,8 +71,10 @@ def llama_cpp_type(name: str, ftype: str, layer: int, layers: int) -> str:
     return base
 
 
-def write_gguf(path: str, shape: dict, ftype: str, seed: int = 0) -> dict[str, int]:
-    """A llama-architecture GGUF of `shape` with random blocks in `ftype`'s mix; returns {type: tensor count}."""
+def write_gguf(path: str, shape: dict, ftype: str, seed: int = 0, tokenizer_from: str | None = None) -> dict[str, int]:
+    """A llama-architecture GGUF of `shape` with random blocks in `ftype`'s mix; returns {type: tensor count}.
+    `tokenizer_from`: a GGUF whose `tokenizer.*` metadata is copied in, so that other engines (llama.cpp refuses a
+    file without a vocabulary) can serve the file with the same tokenizer; its vocabulary must be `shape`'s."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -84,6 +90,10 @@ def write_gguf(path: str, shape: dict, ftype: str, seed: int = 0) -> dict[str, i
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(shape["vocab"])
+    if tokenizer_from:
+        for key, f in gguf.GGUFReader(tokenizer_from).fields.items():
+            if key.startswith("tokenizer."):
+                w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
     counts: dict[str, int] = {}
 
     def matrix(name: str, rows: int, cols: int, layer: int = 0) -> None:
@@ -107,6 +117,27 @@ def write_gguf(path: str, shape: dict, ftype: str, seed: int = 0) -> dict[str, i
     w.write_tensors_to_file()
     w.close()
     return counts
+
+
+def cached_gguf(shape: str, ftype: str, tokenizer_from: str | None = None, seed: int = 0) -> str:
+    """`write_gguf`'s file, written once into the cache directory and reused: an 8B file is gigabytes and takes
+    minutes. The name carries a digest of this module and the tokenizer's file, so a change to either writes anew."""
+    from pagedserve.engine.machine import cache_dir
+
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    if tokenizer_from:
+        st = os.stat(tokenizer_from)
+        digest.update(f"{os.path.abspath(tokenizer_from)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    path = cache_dir() / "gguf" / f"{shape}-{ftype}-seed{seed}-{digest.hexdigest()[:12]}.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        try:  # written beside, then renamed: an interrupted write never passes for a whole file
+            write_gguf(str(tmp), SHAPES[shape], ftype, seed, tokenizer_from)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return str(path)
 
 
 # Runs in a fresh process: what loading the file added to the resident set, and one greedy stream's TPOT.

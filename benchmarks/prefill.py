@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     trees = common.trees(args.baseline_ref)
     with tempfile.TemporaryDirectory() as tmp:
         if args.size == "1b":
-            model, tok = os.path.join(tmp, f"1b-{args.quant}.gguf"), bundled_model_path()
-            gguf_quants.write_gguf(model, gguf_quants.SHAPES[steady_streams.ONE_B_SHAPE], args.quant)
+            tok = bundled_model_path()
+            model = gguf_quants.cached_gguf(steady_streams.ONE_B_SHAPE, args.quant, tokenizer_from=tok)
         else:
             model, tok = bundled_model_path(), None
         log = open(os.path.join(tmp, "servers.log"), "w")
