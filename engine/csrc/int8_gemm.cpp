@@ -55,9 +55,7 @@ using pagedserve::silu_times16;
 #ifdef PAGEDSERVE_VNNI
 constexpr int64_t AMX_K = 64;  // codes per tile row, and the most outlier channels
 constexpr int64_t AMX_KB = 1024;  // codes of K per pass: 32 rows' worth of activations stay in L1
-// a thread's re-quantized weight block, reused by every row block: L2-sized on AMX's CPUs; VNNI's keeps room in
-// a smaller L2 for the activation rows it streams past it (bench_quant_gemm.py)
-constexpr int64_t AMX_BLOCK_KIB = 1024, VNNI_BLOCK_KIB = 512;
+constexpr int64_t AMX_BLOCK_KIB = 1024;  // a thread's re-quantized weight block: L2-sized, reused by every row block
 constexpr int64_t VNNI_MR = 12;  // activation rows per register block: 2 x 12 sums, 2 weight vectors
 
 // rows 0..MR of xa (u8 codes, row stride lda), codes k0..k1, times one panel of int8 steps (wa) or two (the second
@@ -374,8 +372,7 @@ void int8_gemm_impl(const Panels& a, const T* x, int64_t M, const float* wmax, b
   quantize_rows_u8(x, M, Mp, K, lda, inv_f.data(), xq, xscale);
   quantize_outliers(x, M, Mp, K, lda, outl.data(), n_out, xq, xscale2);
   const int64_t threads = at::get_num_threads();
-  const int64_t block_kib = amx ? AMX_BLOCK_KIB : VNNI_BLOCK_KIB;
-  const int64_t most = std::max<int64_t>(2, (block_kib << 10) / (PANEL * K)) / (gated ? 2 : 1);  // per block
+  const int64_t most = std::max<int64_t>(2, (AMX_BLOCK_KIB << 10) / (PANEL * K)) / (gated ? 2 : 1);  // per block
   int64_t blocks = (P + most - 1) / most;
   blocks = std::min(P, (blocks + threads - 1) / threads * threads);  // whole rounds of threads
   const int64_t per = (P + blocks - 1) / blocks;
