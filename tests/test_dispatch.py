@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from pagedserve.engine import cpu_kernels
 from pagedserve.engine.layers import dispatch
 from pagedserve.engine.machine import Cpu, parse_cpuinfo
 
@@ -72,15 +73,21 @@ def test_auto_dtype_asks_the_probe_only_where_bf16_may_win(fresh, monkeypatch, f
 def test_probes_run_only_where_their_answer_matters(fresh, monkeypatch):
     monkeypatch.setattr(dispatch, "cpu", lambda: Cpu("test", ZEN4, "x86_64"))
     bf16 = dispatch.kernel_table(torch.device("cpu"), torch.bfloat16)
-    assert fresh == [] and bf16.prepack_bf16 and not bf16.prepack_fp32 and bf16.attention_kernel_bf16_all
+    # the VNNI GEMM's probe: a model's table (its dtype known) on a VNNI CPU whose build has the kernel
+    vnni = ["quant_gemm_vnni"] if cpu_kernels.vnni_int8() else []
+    assert fresh == vnni and bf16.prepack_bf16 and not bf16.prepack_fp32 and bf16.attention_kernel_bf16_all
+    assert bf16.quant_gemm_vnni == bool(vnni)
     fp32 = dispatch.kernel_table(torch.device("cpu"), torch.float32)
-    assert fresh == ["prepack_fp32"] and fp32.prepack_fp32 and not fp32.torch_int_bf16  # our kernels are built
+    assert fresh == vnni + ["prepack_fp32"] + vnni and fp32.prepack_fp32 and not fp32.torch_int_bf16  # ours built
+    monkeypatch.setattr(dispatch, "cpu", lambda: Cpu("test", AVX512_NO_BF16 - {"avx512_vnni"}, "x86_64"))
+    fresh.clear()
+    assert not dispatch.kernel_table(torch.device("cpu"), torch.bfloat16).quant_gemm_vnni and fresh == []
     amx = dispatch.KernelTable(attention_kernel_bf16_all=False)
     assert amx.attention_query_limit(torch.bfloat16) == 16 and bf16.attention_query_limit(torch.bfloat16) > 10**9
 
 
 def test_policy_pins_entries_and_rejects_unknown_ones(fresh, monkeypatch):
-    monkeypatch.setenv(dispatch.POLICY_ENV, "prepack_fp32=off,dense_gemv_max_rows=4")
+    monkeypatch.setenv(dispatch.POLICY_ENV, "prepack_fp32=off,quant_gemm_vnni=off,dense_gemv_max_rows=4")
     table = dispatch.kernel_table(torch.device("cpu"), torch.float32, "quant_gemv_max_rows=32")
     assert fresh == []  # pinned: nothing measured
     assert (table.prepack_fp32, table.dense_gemv_max_rows, table.quant_gemv_max_rows) == (False, 4, 32)

@@ -136,6 +136,7 @@ def kernel_table(device: torch.device, dtype: torch.dtype | None = None, policy:
 
     fp32 = dtype == torch.float32
     amx = pinned.get("quant_gemm_amx", cpp and cpu_kernels.amx_int8())
+    vnni = cpp and "avx512_vnni" in (machine.flags or ()) and cpu_kernels.vnni_int8()  # asked for a model's table
     table = KernelTable(
         cpp=cpp,
         auto_bf16=decide("auto_bf16", dtype is None and (machine.native_bf16 or not machine.is_x86),
@@ -145,7 +146,7 @@ def kernel_table(device: torch.device, dtype: torch.dtype | None = None, policy:
         torch_int_bf16=decide("torch_int_bf16", fp32 and not cpp, probe_torch_int_bf16),
         attention_kernel_bf16_all="avx512_bf16" in (machine.flags or ()) and not machine.amx,
         quant_gemm_amx=amx,
-        quant_gemm_vnni=decide("quant_gemm_vnni", cpp and not amx and cpu_kernels.vnni_int8(), probe_quant_gemm_vnni),
+        quant_gemm_vnni=decide("quant_gemm_vnni", dtype is not None and vnni and not amx, probe_quant_gemm_vnni),
     )
     return dataclasses.replace(table, **pinned)
 
