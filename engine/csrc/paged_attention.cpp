@@ -5,7 +5,8 @@
 // attends causally over keys 0 .. its own position. Work items are (sequence, KV head, query tile,
 // KV split): the GROUP query heads that share a KV head are done together, so each K/V row is read
 // (and, for bf16, widened to fp32) once per tile, not once per query head. On CPUs with AVX512-BF16, bf16
-// skips the widening: block_bf16 multiplies the cache's bf16 rows directly. Items are handed out through
+// skips the widening: block_bf16 multiplies the cache's bf16 rows directly (and, for prefill and extend,
+// chunk_many_bf16 scores keys in lanes). Items are handed out through
 // an atomic counter because causal tiles and varlen sequences differ in cost. Splits of one
 // (sequence, head, tile) write unnormalised partials (acc, max, sum) that a second pass merges, so a
 // long context still spreads over all threads at batch 1.
@@ -203,6 +204,123 @@ inline void block_bf16(const uint16_t* qb, const uint16_t* k, const uint16_t* v,
       for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + r * D + d0 + 16 * c, o[r][c]);
   }
 }
+
+// Many query rows (prefill, extend): keys in lanes. Each block's K is turned once into dim-pair rows (kt[p]
+// lane j = key j's dims 2p, 2p+1) and its V into key-pair rows (the P V operand above, built once, not once
+// per four rows), both shared by every row of the item. A row's 16 scores are then a run of vdpbf16ps with
+// no horizontal sum, softmax works on them as one vector, and the row sums l stay in lanes until the end.
+constexpr int64_t MANY = 8;  // query rows scored together on the keys-in-lanes path
+
+inline __m512 exp16(__m512 x) {  // fast_exp, 16 lanes
+  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)), _mm512_set1_ps(-126.f));
+  const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, i);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(i), 23));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ), _mm512_castsi512_ps(bits));
+}
+
+// Up to 16 keys (one block's, or half of one) into half h of a chunk's layouts. kt: D / 2 rows of 32 dwords
+// (half h in lanes 16h..); vp: 16 key pairs x D dwords (half h: pairs 8h..), each 64 dims as unpacklo/hi of 32
+// (see above). Slots past n are zeros: a block's unused slots may hold anything, and a NaN times a zero
+// weight is NaN.
+inline void half_layout(const uint16_t* k, const uint16_t* v, int64_t stride, int64_t n, int64_t D, int h,
+                        uint32_t* kt, uint32_t* vp) {
+  const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+  const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                         _mm512_set1_epi32(static_cast<int32_t>(stride / 2)));
+  for (int64_t p = 0; p < D / 2; ++p)
+    _mm512_storeu_si512(kt + 32 * p + 16 * h,
+                        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, k + 2 * p, 4));
+  for (int64_t i = 0; i < 8; ++i)
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i a = 2 * i < n ? _mm512_loadu_si512(v + 2 * i * stride + d) : _mm512_setzero_si512();
+      const __m512i b = 2 * i + 1 < n ? _mm512_loadu_si512(v + (2 * i + 1) * stride + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + (8 * h + i) * D + d, _mm512_unpacklo_epi16(a, b));
+      _mm512_storeu_si512(vp + (8 * h + i) * D + d + 16, _mm512_unpackhi_epi16(a, b));
+    }
+}
+
+// One chunk of n <= 16 * HALVES keys from `start` for MANY rows from row0 (qb, m, lv, acc at row0's; rows
+// past the item's `rows` are computed on and never read). lv: each row's softmax sums, 16 lanes.
+template <int HALVES>
+inline void chunk_many_bf16(const uint16_t* qb, const uint32_t* kt, const uint32_t* vp, int64_t n, int64_t start,
+                            int64_t ctx, int64_t row0, int64_t rows, int64_t group, int64_t D, float scale,
+                            float* m, float* lv, float* acc) {
+  __m512 s[MANY][2];  // per row: the two halves' scores, or (one half) two chains over alternate dim pairs
+  for (int r = 0; r < MANY; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < D / 2; p += 3 - HALVES) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + 32 * p);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(HALVES == 2 ? kt + 32 * p + 16 : kt + 32 * p + 32);
+    for (int r = 0; r < MANY; ++r) {
+      int32_t w0, w1;
+      std::memcpy(&w0, qb + r * D + 2 * p, 4);
+      std::memcpy(&w1, qb + r * D + 2 * p + (HALVES == 2 ? 0 : 2), 4);
+      s[r][0] = _mm512_dpbf16_ps(s[r][0], k0, (__m512bh)_mm512_set1_epi32(w0));
+      s[r][1] = _mm512_dpbf16_ps(s[r][1], k1, (__m512bh)_mm512_set1_epi32(w1));
+    }
+  }
+  alignas(64) uint16_t pb[MANY][32];
+  float alpha[MANY];
+  int64_t max_visible = 0;
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int r = 0; r < MANY; ++r) {
+    const int64_t visible = row0 + r < rows ? std::min(n, ctx + (row0 + r) / group + 1 - start) : 0;
+    alpha[r] = 1.f;
+    std::memset(pb[r], 0, sizeof pb[r]);
+    if (visible <= 0) continue;
+    max_visible = std::max(max_visible, visible);
+    const auto lanes = [](int64_t k) { return static_cast<__mmask16>(k >= 16 ? 0xffffu : (1u << std::max<int64_t>(k, 0)) - 1); };
+    const __mmask16 live0 = lanes(visible), live1 = lanes(visible - 16);
+    __m512 sc0, sc1 = ninf;
+    if (HALVES == 2) {
+      sc0 = _mm512_mask_mov_ps(ninf, live0, _mm512_mul_ps(s[r][0], _mm512_set1_ps(scale)));
+      sc1 = _mm512_mask_mov_ps(ninf, live1, _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale)));
+    } else {
+      sc0 = _mm512_mask_mov_ps(ninf, live0, _mm512_mul_ps(_mm512_add_ps(s[r][0], s[r][1]), _mm512_set1_ps(scale)));
+    }
+    const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(sc0, sc1)));
+    const __m512 mxv = _mm512_set1_ps(mx);
+    const __m512 e0 = _mm512_maskz_mov_ps(live0, exp16(_mm512_sub_ps(sc0, mxv)));
+    __m512 sum = e0;
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(e0));
+    if (HALVES == 2 && live1) {
+      const __m512 e1 = _mm512_maskz_mov_ps(live1, exp16(_mm512_sub_ps(sc1, mxv)));
+      sum = _mm512_add_ps(sum, e1);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + 16), (__m256i)_mm512_cvtneps_pbh(e1));
+    }
+    alpha[r] = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : fast_exp(m[r] - mx);
+    m[r] = mx;
+    _mm512_storeu_ps(lv + 16 * r, _mm512_fmadd_ps(_mm512_loadu_ps(lv + 16 * r), _mm512_set1_ps(alpha[r]), sum));
+  }
+  if (max_visible == 0) return;
+  const int64_t pairs = (max_visible + 1) / 2;
+  for (int g = 0; g < MANY; g += ROWS)
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      __m512 o[ROWS][4];
+      for (int r = 0; r < ROWS; ++r)
+        for (int c = 0; c < 4; ++c)
+          o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (g + r) * D + d0 + 16 * c), _mm512_set1_ps(alpha[g + r]));
+      for (int64_t i = 0; i < pairs; ++i) {
+        __m512bh vv[4];
+        for (int c = 0; c < 4; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp + i * D + d0 + 16 * c);
+        for (int r = 0; r < ROWS; ++r) {
+          int32_t w;
+          std::memcpy(&w, pb[g + r] + 2 * i, sizeof w);
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(w);
+          for (int c = 0; c < 4; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], vv[c], pp);
+        }
+      }
+      for (int r = 0; r < ROWS; ++r)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (g + r) * D + d0 + 16 * c, o[r][c]);
+    }
+}
 #endif
 
 template <typename T>
@@ -216,9 +334,12 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
   const int64_t D = head_dim, BS = block_size;
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     // rows of one item: query tokens x heads of the group, padded to a multiple of ROWS
-    const int64_t R = (max_rows * group + ROWS - 1) / ROWS * ROWS;
+    // (the keys-in-lanes path reads and writes up to MANY rows past the last multiple of ROWS)
+    const int64_t R = (max_rows * group + ROWS - 1) / ROWS * ROWS + 8;
     std::vector<float> qf(R * D), acc(R * D), m(R), l(R), s(ROWS * BS), kt(D * BS), kf(BS * D), vf(BS * D);
     std::vector<uint16_t> qb(R * D);
+    std::vector<float> lv(R * 16);
+    std::vector<uint32_t> ktp(D / 2 * 32), vpp(16 * D);
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
       const int64_t split = item % splits;
       const int64_t h = (item / splits) % num_kv_heads;
@@ -235,7 +356,12 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
 #ifdef PAGEDSERVE_ATTN_BF16
       if constexpr (std::is_same<T, at::BFloat16>::value) fast = D % 64 == 0 && D <= 512;
 #endif
-      for (int64_t r = 0; r < padded; ++r) {  // r = token * group + g
+      // keys in lanes: the layouts pay for themselves over many rows; halves must not straddle blocks
+      const bool many = fast && rows > ROWS && BS % 16 == 0;
+      int64_t pending = 0, chunk_start = 0;  // keys laid out and not yet scored, and the first one's position
+      const int64_t used = many ? (rows + MANY - 1) / MANY * MANY : padded;  // rows the kernels touch
+      if (many) std::fill(lv.begin(), lv.begin() + used * 16, 0.f);
+      for (int64_t r = 0; r < used; ++r) {  // r = token * group + g
         m[r] = -std::numeric_limits<float>::infinity();
         l[r] = 0.f;
         const T* src = q + (t.row0 + r / group) * q_stride_t + (h * group + r % group) * q_stride_h;
@@ -250,7 +376,7 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
         }
         for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]) * scale;
       }
-      std::fill(acc.begin(), acc.begin() + padded * D, 0.f);
+      std::fill(acc.begin(), acc.begin() + used * D, 0.f);
       const int32_t* table = block_tables + t.seq * table_stride;
       for (int64_t start = lo; start < hi; start += BS) {
         const int64_t n = std::min(BS, hi - start);
@@ -269,6 +395,26 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
             }
         }
 #ifdef PAGEDSERVE_ATTN_BF16
+        if (many) {  // 16-key halves into the chunk's layouts; a chunk of two halves is scored at once
+          const auto* kb = reinterpret_cast<const uint16_t*>(k_cache + base);
+          const auto* vb = reinterpret_cast<const uint16_t*>(v_cache + base);
+          for (int64_t j = 0; j < n; j += 16) {
+            const int64_t here = std::min<int64_t>(16, n - j);
+            half_layout(kb + j * cache_stride_slot, vb + j * cache_stride_slot, cache_stride_slot, here, D,
+                        pending ? 1 : 0, ktp.data(), vpp.data());
+            if (!pending) chunk_start = start + j;
+            pending += here;
+            if (pending < 32 && start + j + here < hi) continue;
+            for (int64_t r0 = 0; r0 < rows; r0 += MANY) {
+              if (t.ctx + (std::min(r0 + MANY, rows) - 1) / group + 1 - chunk_start <= 0) continue;  // none sees it
+              (pending > 16 ? chunk_many_bf16<2> : chunk_many_bf16<1>)(
+                  qb.data() + r0 * D, ktp.data(), vpp.data(), pending, chunk_start, t.ctx, r0, rows, group, D, scale,
+                  m.data() + r0, lv.data() + r0 * 16, acc.data() + r0 * D);
+            }
+            pending = 0;
+          }
+          continue;
+        }
         if (fast) {
           const auto* kb = reinterpret_cast<const uint16_t*>(k_cache + base);
           const auto* vb = reinterpret_cast<const uint16_t*>(v_cache + base);
@@ -363,6 +509,9 @@ void attention(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_ca
           if (max_visible > 0) pv_rows(acc.data() + r0 * D, s0, BS, alpha, vp, kv_stride, max_visible, D);
         }
       }
+#ifdef PAGEDSERVE_ATTN_BF16
+      for (int64_t r = 0; many && r < rows; ++r) l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(lv.data() + 16 * r));
+#endif
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t tok = t.row0 + r / group, head = h * group + r % group;
         float* ar = acc.data() + r * D;
