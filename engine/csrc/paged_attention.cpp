@@ -40,6 +40,7 @@ struct Tile {
 };
 
 constexpr int64_t ROWS = 4;  // query rows scored together: four independent FMA chains per key vector
+constexpr int64_t MANY = 8;  // query rows scored together on the keys-in-lanes path (bf16, below)
 constexpr int64_t PREFETCH_BLOCKS = 6;  // how far ahead a work item prefetches its blocks (into L2)
 
 // s[r * s_stride + j] = q_r . k_j for the ROWS query rows (fp32, pre-scaled) and n keys (rows of D floats).
@@ -209,7 +210,6 @@ inline void block_bf16(const uint16_t* qb, const uint16_t* k, const uint16_t* v,
 // lane j = key j's dims 2p, 2p+1) and its V into key-pair rows (the P V operand above, built once, not once
 // per four rows), both shared by every row of the item. A row's 16 scores are then a run of vdpbf16ps with
 // no horizontal sum, softmax works on them as one vector, and the row sums l stay in lanes until the end.
-constexpr int64_t MANY = 8;  // query rows scored together on the keys-in-lanes path
 
 inline __m512 exp16(__m512 x) {  // fast_exp, 16 lanes
   const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)), _mm512_set1_ps(-126.f));
