@@ -96,7 +96,7 @@ MESSAGES_EVENT = {"type": "object", "required": ["event", "data"], "properties":
               "content_block_delta, content_block_stop, message_delta, message_stop, or error"},
     "data": {"type": "string", "description": "the event's JSON (its `type` is the event's name)"}}}
 # Anthropic's keep-alive: an idle stream gets `event: ping` events, which its SDKs skip
-ANTHROPIC_PING = functools.partial(ServerSentEvent, event="ping", data='{"type": "ping"}')
+ANTHROPIC_PING = functools.partial(ServerSentEvent, event="ping", data='{"type": "ping"}', sep="\n")
 
 
 def _errors(*codes: int, model: type[BaseModel] = ErrorResponse,
