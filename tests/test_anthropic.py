@@ -304,3 +304,51 @@ def test_metrics_count_each_endpoint_and_a_dropped_stream_is_aborted(server, cli
             if i == 8:
                 break  # the client leaves mid-stream
     _wait_idle(state)
+
+
+def test_the_stream_is_framed_as_anthropics_and_a_failure_is_an_error_event(smollm):
+    """Over server/serving.py's fake engine client: named events and no `[DONE]`; an engine that dies mid-stream
+    ends it with an `error` event (api_error), a server shutting down with overloaded_error (retry)."""
+    from test_serving import FakeClient, Raw, Stream
+
+    from pagedserve.engine.async_engine import EngineDeadError, ShuttingDownError
+    from pagedserve.server.anthropic import MessagesEndpoint
+    from pagedserve.server.serving import Serving
+
+    class Failing(Stream):
+        error: BaseException | None = None
+
+        async def __anext__(self):
+            if self.error is not None and len(self._outs) == 1:  # after the first output
+                raise self.error
+            return await super().__anext__()
+
+    class Client(FakeClient):
+        def submit(self, request, places, tenant=None):
+            super().submit(request, places, tenant)
+            return Failing(self, request)
+
+    def events(error: BaseException | None) -> list:
+        Failing.error = error
+        client = Client(InputProcessor(smollm.tokenizer, len(smollm.tokenizer), 4096))
+        body = MessagesRequest.model_validate({"max_tokens": 2, "messages": HI, "stream": True})
+
+        async def run():
+            stream = await Serving(lambda: client, "m", False, 0.05).generate(MessagesEndpoint, body, Raw())
+            return [e async for e in stream]
+
+        out = asyncio.run(run())
+        assert client.places.reserved == 0 and not client.live
+        assert all(isinstance(e, dict) and json.loads(e["data"])["type"] == e["event"] for e in out)  # no [DONE]
+        return [(e["event"], json.loads(e["data"])) for e in out]
+
+    ok = events(None)
+    assert [n for n, _ in ok] == ["message_start", "content_block_start", "ping", "content_block_delta",
+                                  "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    assert "".join(d["delta"]["text"] for n, d in ok if n == "content_block_delta") == "t1t2"
+    assert ok[-2][1]["delta"]["stop_reason"] == "max_tokens" and ok[-2][1]["usage"]["output_tokens"] == 2
+    for error, kind in ((EngineDeadError(), "api_error"), (ShuttingDownError(), "overloaded_error")):
+        failed = events(error)
+        assert [n for n, _ in failed][0] == "message_start" and failed[-1][0] == "error"
+        assert failed[-1][1]["type"] == "error" and failed[-1][1]["error"]["type"] == kind
+        assert "message_stop" not in [n for n, _ in failed]
