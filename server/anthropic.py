@@ -29,7 +29,7 @@ from ..engine.sampling_params import SamplingParams
 from . import anthropic_protocol as ap
 from .errors import anthropic_error
 from .serving import APIError, Built, Collected, Endpoint, chat_prompt
-from .tools import ToolCallParser, resolve_tool_choice, tool_grammar
+from .tools import ToolCallParser, ToolChoice, resolve_tool_choice, tool_grammar
 
 
 def tool_use_id(call_id: str) -> str:
@@ -63,7 +63,7 @@ def chat_messages(body: ap.CountTokensRequest) -> tuple[list[dict[str, Any]], bo
     return out, prefill
 
 
-def tool_setup(body: ap.CountTokensRequest):
+def tool_setup(body: ap.CountTokensRequest) -> tuple[list[dict[str, Any]], ToolChoice, bool]:
     """(OpenAI-style tools, server/tools.py's ToolChoice, parallel calls allowed) for a Messages body."""
     tools = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema}
               | ({"description": t.description} if t.description is not None else {})} for t in body.tools or []]
@@ -79,7 +79,8 @@ def tool_setup(body: ap.CountTokensRequest):
     return tools, resolve_tool_choice(tools, asked), parallel
 
 
-def prompt_ids(inputs: InputProcessor, body: ap.CountTokensRequest) -> tuple[list[int], Any, Any, bool]:
+def prompt_ids(inputs: InputProcessor,
+               body: ap.CountTokensRequest) -> tuple[list[int], list[dict[str, Any]], ToolChoice, bool]:
     """The prompt's token ids through the chat template, with the tools, their choice and `parallel`."""
     tools, choice, parallel = tool_setup(body)
     messages, prefill = chat_messages(body)
