@@ -72,10 +72,12 @@ class InputProcessor:
                                       "prompt")
         return list(prompt)
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Chat messages (and tools, for templates that take them) -> prompt token ids. Any thread."""
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    continue_final: bool = False) -> list[int]:
+        """Chat messages (and tools, for templates that take them) -> prompt token ids. Any thread.
+        `continue_final`: the last message is an assistant reply to continue."""
         with self._lock:
-            return apply_chat_template(self.tokenizer, messages, tools=tools)
+            return apply_chat_template(self.tokenizer, messages, tools=tools, continue_final=continue_final)
 
     def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
         """Refuse a text that cannot fit the context whatever its tokens, before paying to tokenize it."""

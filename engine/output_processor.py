@@ -57,6 +57,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_draft_tokens: int = 0  # speculative decoding: drafted for this request so far
     num_accepted_tokens: int = 0  # of which accepted
+    stop_string: str | None = None  # once finished: the stop string that ended it, if one did
 
 
 @dataclass
@@ -155,4 +156,5 @@ class OutputProcessor:
             prompt_logprobs=prompt_lps,
             num_draft_tokens=seq.num_draft_tokens,
             num_accepted_tokens=seq.num_accepted_tokens,
+            stop_string=req.stop.matched if seq.is_finished else None,
         )

@@ -61,20 +61,22 @@ def _gguf_tokenizer(path: str):
     return tok
 
 
-def apply_chat_template(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+def apply_chat_template(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                        continue_final: bool = False) -> list[int]:
     """Prompt token ids for chat messages. Message text never becomes control tokens: content that spells
-    a special token (`<|im_end|>\n<|im_start|>system`) is tokenized as the plain text it is."""
+    a special token (`<|im_end|>\n<|im_start|>system`) is tokenized as the plain text it is. `continue_final`: the
+    last message is an assistant's reply to continue (Anthropic's prefill), not a turn to answer."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use completions with a plain prompt")
     specials = _special_texts(tokenizer)
+    turn = {"add_generation_prompt": not continue_final, "continue_final_message": continue_final}
     if not any(sp in str(m.get("content") or "") for m in messages for sp in specials):
-        return _token_list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                         tokenize=True))
+        return _token_list(tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, **turn))
     # Render the template around placeholders, then tokenize the template's own text with special tokens
     # and each message's text without: the template decides the structure, the user only the content.
     marks = [f"\ue000{secrets.token_hex(8)}\ue001" for _ in messages]
     text = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
-                                         tools=tools, add_generation_prompt=True, tokenize=False)
+                                         tools=tools, tokenize=False, **turn)
     ids: list[int] = []
     for mark, message in zip(marks, messages):
         if text.count(mark) != 1:
@@ -183,6 +185,7 @@ class StopStringMatcher:
         self._held: deque[str] = deque()
         self._held_len = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped the text (Anthropic's stop_sequence)
 
     def feed(self, delta: str) -> None:
         if self.stopped or not delta:
@@ -197,6 +200,7 @@ class StopStringMatcher:
             state = nxt[state].get(ch, 0)
             if match[state]:  # cut the stop string (the held tail plus this delta's first i + 1 characters)
                 self._hold(delta[:i + 1])
+                self.matched = "".join(self._held)[-match[state]:]
                 self._release(self._held_len - match[state])
                 self._held.clear()
                 self._held_len, self.stopped = 0, True

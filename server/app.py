@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP app: routes, errors in OpenAI's shape, SSE. The pipeline is server/serving.py."""
+"""The HTTP app: routes (OpenAI's, and Anthropic's Messages), errors in each route's dialect, SSE. The pipeline is
+server/serving.py."""
 
 from __future__ import annotations
 
@@ -19,15 +20,18 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel
-from sse_starlette import EventSourceResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_engine import AsyncEngine, EngineDeadError, ShuttingDownError
 from ..engine.client import EngineClient, NoEngineViewError
 from ..engine.llm_engine import EngineStats, LLMEngine
+from .anthropic import MessagesEndpoint, count_tokens
+from .anthropic_protocol import AnthropicError, CountTokensRequest, MessagesRequest, MessagesResponse, TokenCount
 from .config import ServerConfig
 from .connections import protocol_class
 from .engine_state import EngineState, LiveWindow, engine_state
+from .errors import error_answer
 from .guards import ApiKeyAuth, BodyLimit
 from .metrics import Metrics
 from .protocol import (
@@ -39,11 +43,10 @@ from .protocol import (
     ModelCard,
     ModelList,
     document_limits,
-    error_body,
     now,
 )
 from .serving import APIError, ChatEndpoint, CompletionEndpoint, Serving, engine_dead, tenant
-from .tracing import HEADER, RequestIds, request_record, tracing_from
+from .tracing import HEADER, RequestIds, RequestRecord, request_record, tracing_from
 
 if TYPE_CHECKING:
     from .otel import Tracing
@@ -79,14 +82,31 @@ _RETRY_AFTER = {"Retry-After": {"description": "whole seconds to wait before ret
                 "retry-after-ms": {"description": "the same, in milliseconds", "schema": {"type": "integer"}}}
 
 
+# The Messages routes' statuses where they differ from OpenAI's (every one in Anthropic's error shape)
+MESSAGES_ERRORS = {**ERRORS, 503: "The engine died (api_error)",
+                   529: "overloaded_error: the model is loading or the server is shutting down; retry after "
+                        "Retry-After seconds"}
+
+
 # One server-sent event (OpenAPI 3.1: a sequential media type's schema is an item's), as an SSE parser reads it
 SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
     "type": "string", "description": "a chunk's JSON, an error's JSON (in OpenAI's shape), or [DONE] (the last)"}}}
+MESSAGES_EVENT = {"type": "object", "required": ["event", "data"], "properties": {
+    "event": {"type": "string", "description": "the event's type: message_start, content_block_start, ping, "
+              "content_block_delta, content_block_stop, message_delta, message_stop, or error"},
+    "data": {"type": "string", "description": "the event's JSON (its `type` is the event's name)"}}}
+# Anthropic's keep-alive: an idle stream gets `event: ping` events, which its SDKs skip
+ANTHROPIC_PING = functools.partial(ServerSentEvent, event="ping", data='{"type": "ping"}', sep="\n")
 
 
-def _errors(*codes: int) -> dict[int, dict[str, Any]]:
-    return {c: {"model": ErrorResponse, "description": ERRORS[c], **({"headers": _RETRY_AFTER} if c == 429 else {})}
-            for c in codes}
+def _errors(*codes: int, model: type[BaseModel] = ErrorResponse,
+            descriptions: dict[int, str] = ERRORS) -> dict[int, dict[str, Any]]:
+    return {c: {"model": model, "description": descriptions[c],
+                **({"headers": _RETRY_AFTER} if c in (429, 529) else {})} for c in codes}
+
+
+def _messages_errors(*codes: int) -> dict[int, dict[str, Any]]:
+    return _errors(*codes, model=AnthropicError, descriptions=MESSAGES_ERRORS)
 
 
 def _generation(model: type[BaseModel]) -> dict[int, dict[str, Any]]:
@@ -221,12 +241,19 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
         if tracing is not None:
             tracing.shutdown()  # sends the spans still batched
 
+    api_paths: set[str] = set()  # the routes the request counter names (a bounded set of labels), once defined
+
+    def count_request(record: RequestRecord) -> None:
+        if record.path in api_paths:
+            state.metrics.request(record.path, record.status)
+
     # FastAPIOffline serves /docs from the package's own Swagger UI files (no CDN), like every route behind the API key
     # when there is one; /openapi.json is FastAPI's route over our document
     app = FastAPIOffline(title="pagedserve", version="0.1.0", lifespan=lifespan, redoc_url=None,
                          static_url="/docs/assets",
                          description="An OpenAI-compatible LLM server: /v1/chat/completions, "
-                         "/v1/completions, /v1/models; /health (liveness), /ready (readiness), /metrics; "
+                         "/v1/completions, /v1/models; Anthropic's Messages API: /v1/messages, "
+                         "/v1/messages/count_tokens; /health (liveness), /ready (readiness), /metrics; "
                          "/v1/engine/state (the live view's data); a chat page and a live view of the "
                          "engine at / and /dashboard.")
     document = functools.cache(functools.partial(openapi_document, app, max_output_tokens=config.max_output_tokens,
@@ -242,14 +269,21 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
     app.add_middleware(ApiKeyAuth, keys=config.api_keys())  # before the body guard: no body is read for a bad key
     # outermost: every answer carries the request's id, a 401 or 413 too
-    app.add_middleware(RequestIds, model=config.served_model_name, tracing=tracing, echo=echo_ids)
+    app.add_middleware(RequestIds, model=config.served_model_name, tracing=tracing, echo=echo_ids,
+                       on_end=count_request)
 
-    # ---- errors: always the OpenAI shape -----------------------------------------------------------------
+    # ---- errors: in the route's dialect (server/errors.py), OpenAI's shape unless it is Anthropic's -------------
+    def error(request: Request, status: int, message: str, type_: str = "invalid_request_error",
+              param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
+              extra: dict[str, str] | None = None) -> JSONResponse:
+        status, body, headers = error_answer(request.url.path, status, message, type_, param, code, headers)
+        return JSONResponse(body, status, headers={**(headers or {}), **(extra or {})} or None)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         if exc.reason:
             state.metrics.reject(exc.reason)
-        return JSONResponse(exc.body, exc.status, headers=exc.headers)
+        return error(request, exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -264,19 +298,19 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
             message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
             param = loc[0] if loc else None
         state.metrics.reject("invalid_request")
-        return JSONResponse(error_body(message, "invalid_request_error", param), 400)
+        return error(request, 400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), type_), exc.status_code, headers=exc.headers)  # 405: Allow
+        return error(request, exc.status_code, str(exc.detail), type_, headers=exc.headers)  # 405: Allow
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         logger.exception("unhandled error")  # the details go to the log, never to the client
         # answered by Starlette's outermost layer, outside RequestIds: the id is added here
-        return JSONResponse(error_body("internal server error", "internal_server_error", code="internal_error"), 500,
-                            headers={HEADER: request_record(request).request_id} if echo_ids else None)
+        return error(request, 500, "internal server error", "internal_server_error", code="internal_error",
+                     extra={HEADER: request_record(request).request_id} if echo_ids else None)
 
     # ---- routes ------------------------------------------------------------------------------------------
     @app.get("/health", response_model=Health, responses=_errors(503))
@@ -335,6 +369,26 @@ def create_app(engine_factory: Callable[[], Any], config: ServerConfig, start: C
     async def completions(body: CompletionRequest, raw: Request):
         return _respond(await serving.generate(CompletionEndpoint, body, raw))
 
+    # ---- Anthropic's Messages API (server/anthropic.py): the same pipeline, its own shapes ----------------------
+    @app.post("/v1/messages", response_model=MessagesResponse, responses={
+        200: {"description": "A MessagesResponse; with `stream: true`, server-sent events (`event: <type>` and "
+                             "`data: <event JSON>`, from message_start to message_stop)",
+              "content": {"text/event-stream": {"schema": MESSAGES_EVENT}}},
+        **_messages_errors(400, 401, 404, 408, 413, 429, 503, 529)})
+    async def messages(body: MessagesRequest, raw: Request):
+        """Anthropic's Messages API (what Claude Code and the `anthropic` SDK speak); `x-api-key` is accepted as the
+        key, `anthropic-version` is not checked."""
+        return _respond(await serving.generate(MessagesEndpoint, body, raw), ping=ANTHROPIC_PING)
+
+    @app.post("/v1/messages/count_tokens", response_model=TokenCount,
+              responses=_messages_errors(400, 401, 404, 408, 413, 503, 529))
+    async def messages_count_tokens(body: CountTokensRequest, raw: Request):
+        """The prompt's tokens (system, messages and tools through the chat template), as /v1/messages counts
+        them; nothing runs on the engine."""
+        return await serving.read_prompt(body, functools.partial(count_tokens, body=body), "messages")
+
+    api_paths.update(r.path for r in app.routes if getattr(r, "path", "").startswith("/v1/"))
+
     # ---- the page: a chat playground and the live view, from files in the package (no CDN, no build step) ---
     # Open to all, like /health: it holds no data; what it shows comes from /v1/*, with the key the user gives it.
     @app.get("/", include_in_schema=False)
@@ -356,8 +410,9 @@ def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
                           h11_max_incomplete_event_size=64 * 1024)  # request line + headers
 
 
-def _respond(result):
-    """A response model as JSON, or a stream of SSE `data:` lines (sse-starlette, `sep="\\n"`)."""
+def _respond(result, ping: Callable[[], ServerSentEvent] | None = None):
+    """A response model as JSON, or a stream of SSE events (sse-starlette, `sep="\\n"`); `ping`: the keep-alive
+    event of the route's dialect (default: an SSE comment)."""
     if hasattr(result, "__aiter__"):
-        return EventSourceResponse(result, sep="\n", ping=15)
+        return EventSourceResponse(result, sep="\n", ping=15, ping_message_factory=ping)
     return JSONResponse(result.model_dump())

@@ -1,6 +1,6 @@
 """ASGI guards in front of the routes: API-key auth, and a bounded, timed read of the request body.
 
-Both answer in the OpenAI error shape themselves, before FastAPI parses anything.
+Both answer themselves, before FastAPI parses anything, in the error shape of the route's dialect (server/errors.py).
 """
 
 from __future__ import annotations
@@ -12,15 +12,17 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .protocol import error_body
+from .errors import error_answer
 
 TENANT_KEY = "pagedserve.tenant"  # scope["state"][TENANT_KEY]: an id of the API key that authenticated
 PROTECTED = ("/v1/", "/metrics", "/docs", "/openapi.json")  # /health, /ready and the page stay open
 
 
-async def send_error(send: Send, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]]) -> None:
-    """An `invalid_request_error`, the type of every refusal here."""
-    body = json.dumps(error_body(message, code=code)).encode()
+async def send_error(scope: Scope, send: Send, status: int, message: str, code: str,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+    """An `invalid_request_error` (in OpenAI's terms), the type of every refusal here."""
+    status, error, _ = error_answer(scope.get("path", ""), status, message, code=code)
+    body = json.dumps(error).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})
@@ -33,7 +35,8 @@ def key_id(key: str) -> str:
 
 
 class ApiKeyAuth:
-    """OpenAI bearer auth for the API, /metrics and the API's documents (/health stays open for load balancers).
+    """OpenAI bearer auth for the API, /metrics and the API's documents (/health stays open for load balancers);
+    Anthropic's `x-api-key` header is taken too, as its clients send the key there.
 
     Every configured key is compared in constant time, so the time to refuse says nothing about a key.
     """
@@ -46,15 +49,18 @@ class ApiKeyAuth:
         path = scope.get("path", "")
         if scope["type"] != "http" or not self.keys or not path.startswith(PROTECTED):
             return await self.app(scope, receive, send)
-        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+        headers = dict(scope.get("headers") or [])
+        auth, x_api_key = headers.get(b"authorization", b""), headers.get(b"x-api-key")
         scheme, _, token = auth.partition(b" ")
-        # every key is compared, whatever matches: constant time
-        matches = [kid for key, kid in self.keys if hmac.compare_digest(token.strip(), key)]
-        if scheme.lower() != b"bearer" or not matches:
-            message = ("Incorrect API key provided." if auth else
+        given = [token.strip()] if scheme.lower() == b"bearer" else []
+        given += [x_api_key.strip()] if x_api_key is not None else []
+        # every key is compared with every key given, whatever matches: constant time
+        matches = [kid for t in given for key, kid in self.keys if hmac.compare_digest(t, key)]
+        if not matches:
+            message = ("Incorrect API key provided." if auth or x_api_key is not None else
                        "You didn't provide an API key. You need to provide your API key in an Authorization "
                        "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
-            return await send_error(send, 401, message, "invalid_api_key",
+            return await send_error(scope, send, 401, message, "invalid_api_key",
                                     [(b"www-authenticate", b'Bearer realm="pagedserve"')])
         scope.setdefault("state", {})[TENANT_KEY] = matches[0]
         await self.app(scope, receive, send)
@@ -99,11 +105,11 @@ class BodyLimit:
             first = await asyncio.wait_for(read_all(), self.timeout_s)
         except asyncio.TimeoutError:
             if size <= self.max_bytes:
-                return await send_error(send, 408, f"the request body was not received within {self.timeout_s:g} s",
-                                        "request_timeout", [(b"connection", b"close")])
+                return await send_error(scope, send, 408, f"the request body was not received within "
+                                        f"{self.timeout_s:g} s", "request_timeout", [(b"connection", b"close")])
             first = None
         if first is None:
-            return await send_error(send, 413, f"the request body is larger than {self.max_bytes} bytes",
+            return await send_error(scope, send, 413, f"the request body is larger than {self.max_bytes} bytes",
                                     "request_too_large", [(b"connection", b"close")])
         unread = [first]
 

@@ -81,6 +81,8 @@ class Metrics:
                                        m + ["finished_reason"], registry=r)
         self.rejected = Counter("pagedserve:rejected_requests", "Requests refused before running, by reason.",
                                 m + ["reason"], registry=r)
+        self.requests = Counter("pagedserve:http_requests", "Requests to the API's routes (each dialect's "
+                                "endpoint apart), by route and status code.", m + ["endpoint", "status"], registry=r)
         latency = partial(Histogram, labelnames=m, buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = latency("vllm:time_to_first_token_seconds", "Time to first token.")
         self.itl = latency("vllm:inter_token_latency_seconds", "Time between consecutive tokens.")
@@ -114,6 +116,10 @@ class Metrics:
                     self.e2e.labels(name).observe(m.finish_time - m.arrival_time)
                 if m.queue_time is not None:
                     self.queue_time.labels(name).observe(m.queue_time)
+
+    def request(self, endpoint: str, status: int | None) -> None:
+        """An HTTP request to `endpoint` (a route's path) answered with `status` (None: no answer was sent)."""
+        self.requests.labels(self.model_name, endpoint, str(status or "none")).inc()
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()

@@ -1,12 +1,14 @@
 """The request pipeline every generation route shares: admit -> build -> submit -> collect or stream -> usage.
 
-`Serving.generate` runs it for an `Endpoint`: `ChatEndpoint` (/v1/chat/completions) or `CompletionEndpoint`
-(/v1/completions), over an `EngineClient` (engine/client.py: the single engine or the Ray fleet). An endpoint says
-only what differs: how a body becomes `EngineRequest`s (`build`, which translates its dialect into prompt ids and
-sampling params and has the input processor check each and compile its grammar; run off the event loop, since
-templating, tokenizing and compiling cost O(prompt) and more), and how outputs become its response or its stream
-chunks. Admission (the 429) is decided before anything is tokenized or streamed; its `Reservation` is either
-handed to the engine, a place per request, or given back, and a client that leaves aborts its requests.
+`Serving.generate` runs it for an `Endpoint`: `ChatEndpoint` (/v1/chat/completions), `CompletionEndpoint`
+(/v1/completions), or another dialect's front (server/anthropic.py's `MessagesEndpoint`, /v1/messages), over an
+`EngineClient` (engine/client.py: the single engine or the Ray fleet). An endpoint says only what differs: how a
+body becomes `EngineRequest`s (`build`, which translates its dialect into prompt ids and sampling params and has the
+input processor check each and compile its grammar; run off the event loop, since templating, tokenizing and
+compiling cost O(prompt) and more), how outputs become its response or its stream events, and how those events and
+errors are framed on the wire. Admission (the 429) is decided before anything is tokenized or streamed; its
+`Reservation` is either handed to the engine, a place per request, or given back, and a client that leaves aborts
+its requests.
 """
 
 from __future__ import annotations
@@ -54,7 +56,14 @@ from .protocol import (
     now,
 )
 from .structured import logit_bias, structured_spec
-from .tools import ToolCallParser, parse_tool_calls, render_messages, resolve_tool_choice, tool_grammar
+from .tools import (
+    ToolCallParser,
+    ToolChoice,
+    parse_tool_calls,
+    render_messages,
+    resolve_tool_choice,
+    tool_grammar,
+)
 from .tracing import RequestRecord, request_record
 
 logger = logging.getLogger(__name__)
@@ -62,12 +71,14 @@ ENGINE_DEAD = "the engine loop died (see the server log)"  # no exception text r
 
 
 class APIError(Exception):
-    """An error response in OpenAI's shape."""
+    """An error response, stated in OpenAI's terms (`body` is its shape); server/errors.py renders it in the shape
+    of the route's dialect."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None, reason: str | None = None) -> None:
         super().__init__(message)
         self.status, self.headers = status, headers
+        self.message, self.type, self.param, self.code = message, type_, param, code
         self.body = error_body(message, type_, param, code)
         # what the rejection counter calls it (None: not counted)
         self.reason = reason or {400: "invalid_request", 404: "model_not_found", 429: "queue_full"}.get(status)
@@ -117,6 +128,7 @@ class Collected:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     drafts: tuple[int, int] = (0, 0)  # speculative decoding: (drafted, accepted)
+    stop_string: str | None = None  # the stop string that ended it, if one did
     metrics: RequestMetrics | None = None  # the engine's stamps, as of the last output
     first_ns: int | None = None  # when the first and last outputs arrived here (time.time_ns(): a trace's anchor)
     last_ns: int | None = None
@@ -133,7 +145,7 @@ class Collected:
         self.num_cached_tokens = out.num_cached_tokens
         self.drafts = (out.num_draft_tokens, out.num_accepted_tokens)
         if out.finished:
-            self.finish_reason = out.finish_reason
+            self.finish_reason, self.stop_string = out.finish_reason, out.stop_string
 
 
 def usage(built: Built, outs: list[Collected]) -> Usage:
@@ -167,6 +179,14 @@ class Endpoint(ABC):
         """Engine requests this body becomes (prompts x n)."""
         return self.body.n
 
+    def count_param(self) -> str:
+        """The field blamed when the body alone is more requests than may wait."""
+        return "n" if self.body.n > 1 else self.param
+
+    def cache_salt(self) -> str | None:
+        """The body's own prefix-cache namespace, if its dialect has one."""
+        return self.body.cache_salt
+
     @abstractmethod
     def build(self, inputs: InputProcessor, salt: str | None) -> Built:
         """The engine requests, one per choice (in a worker thread). Raises InvalidRequestError."""
@@ -188,6 +208,23 @@ class Endpoint(ABC):
     @abstractmethod
     def stream(self, built: Built, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[Any]:
         """The streamed chunks (pydantic models), usage excepted."""
+
+    def usage_chunk(self, built: Built, outs: list[Collected]) -> Any | None:
+        """The chunk after the others: OpenAI's usage chunk (`choices: []`), when stream_options asks for it."""
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            return self.envelope(self.chunk_cls, [], usage(built, outs))
+        return None
+
+    # How the stream is framed on the wire: OpenAI's `data: <json>` events, then `data: [DONE]`
+    done: str | None = "[DONE]"  # the last event's data (None: none)
+
+    def event(self, chunk) -> Any:
+        """One chunk as an SSE event (what sse-starlette sends: a string is the `data:` line)."""
+        return chunk.model_dump_json()
+
+    def error_event(self, error: APIError) -> Any:
+        """An error after the stream began (its status line has gone): an event in the stream."""
+        return json.dumps(error.body)
 
     def envelope(self, cls: type, choices: list, usage: Usage | None = None):
         """A response or chunk of model `cls`: the choices, with the id, created time and model every one carries."""
@@ -241,16 +278,15 @@ class Serving:
         record.response_id = endpoint.id
         endpoint.request_id = record.request_id or endpoint.request_id
         try:
-            client = self.admit(body, endpoint.count(), "n" if body.n > 1 else endpoint.param)
+            client = self.admit(body, endpoint.count(), endpoint.count_param())
             with client.reserve(endpoint.count()) as places:  # before any tokenizing; what is not submitted goes back
                 endpoint.tokenizer = client.input_processor.tokenizer
                 endpoint.max_prompt_tokens = client.limits.max_queued_tokens
-                built = await self.build(client, endpoint, self.cache_salt(body, raw))
+                built = await self.build(client, endpoint, self.cache_salt(endpoint, raw))
                 streams = self.submit(client, built, places, tenant(raw))
             await self.wait_started(client, streams, raw)
             if body.stream:
-                return self.stream(endpoint, built, streams,
-                                   bool(body.stream_options and body.stream_options.include_usage), record)
+                return self.stream(endpoint, built, streams, record)
             outs = await self.collect(streams, raw)
             record.finish(usage(built, outs), outs, streams)
             return endpoint.response(built, outs)
@@ -260,6 +296,17 @@ class Serving:
             raise engine_dead(e) from e
         except InvalidRequestError as e:
             raise invalid(e, endpoint.param) from e
+
+    async def read_prompt(self, body, read: Callable[[InputProcessor], Any], param: str) -> Any:
+        """A route that only reads a prompt (Messages' count_tokens): the model check, then `read(input processor)`
+        off the event loop, as a build runs; no admission, as nothing runs on the engine."""
+        client = self.admit(body, 1, param)
+        try:
+            return await asyncio.to_thread(read, client.input_processor)
+        except InvalidRequestError as e:
+            raise invalid(e, param) from e
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from e
 
     # ---- admit ------------------------------------------------------------------------------------------
     def admit(self, body, count: int, param: str) -> EngineClient:
@@ -275,10 +322,10 @@ class Serving:
                            "wait at once (--max-waiting-requests)", param=param)
         return client
 
-    def cache_salt(self, body, raw: Request) -> str | None:
+    def cache_salt(self, endpoint: Endpoint, raw: Request) -> str | None:
         """The request's prefix-cache namespace: its API key's (when namespacing per key) and its own cache_salt."""
-        key = tenant(raw) if self.prefix_cache_per_key else None
-        return body.cache_salt if key is None else f"key:{key}\x00{body.cache_salt or ''}"
+        key, own = tenant(raw) if self.prefix_cache_per_key else None, endpoint.cache_salt()
+        return own if key is None else f"key:{key}\x00{own or ''}"
 
     # ---- build ------------------------------------------------------------------------------------------
     async def build(self, client: EngineClient, endpoint: Endpoint, salt: str | None) -> Built:
@@ -359,9 +406,9 @@ class Serving:
         return outs
 
     async def stream(self, endpoint: Endpoint, built: Built, streams: list[OutputStream],
-                     include_usage: bool, record: RequestRecord | None = None) -> AsyncIterator[str]:
-        """SSE data: the endpoint's chunks, the usage chunk if asked, "[DONE]". An error after the stream started
-        is an error event, then [DONE] (the status line has gone already)."""
+                     record: RequestRecord | None = None) -> AsyncIterator[Any]:
+        """SSE events, as the endpoint frames them: its chunks, the usage chunk if asked, "[DONE]" (OpenAI's). An
+        error after the stream started is an error event, then [DONE] (the status line has gone already)."""
         outs = [Collected() for _ in streams]
 
         async def tracked() -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -371,22 +418,25 @@ class Serving:
 
         try:
             async for chunk in endpoint.stream(built, tracked()):
-                yield chunk.model_dump_json()
-            if include_usage:
-                yield endpoint.envelope(endpoint.chunk_cls, [], usage(built, outs)).model_dump_json()  # choices: []
+                yield endpoint.event(chunk)
+            if (last := endpoint.usage_chunk(built, outs)) is not None:
+                yield endpoint.event(last)
         except EngineDeadError as e:
-            yield json.dumps(engine_dead(e).body)
+            yield endpoint.error_event(engine_dead(e))
         except InvalidRequestError as e:
-            yield json.dumps(error_body(e.message, "invalid_request_error", e.param, e.code or "invalid_request"))
+            yield endpoint.error_event(APIError(400, e.message, "invalid_request_error", e.param,
+                                                e.code or "invalid_request"))
         except Exception:  # noqa: BLE001 - details go to the log only
             logger.exception("error while streaming")
-            yield json.dumps(error_body("internal server error", "internal_server_error", code="internal_error"))
+            yield endpoint.error_event(APIError(500, "internal server error", "internal_server_error",
+                                                code="internal_error"))
         finally:
             for s in streams:
                 s.close()
             if record is not None:  # also what a client that left had received
                 record.finish(usage(built, outs), outs, streams)
-        yield "[DONE]"
+        if endpoint.done is not None:
+            yield endpoint.done
 
 
 async def merge(streams: list[OutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -424,6 +474,16 @@ async def merge(streams: list[OutputStream]) -> AsyncIterator[tuple[int, Request
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------------------
+def chat_prompt(inputs: InputProcessor, messages: list[dict[str, Any]], tools: list[dict], choice: ToolChoice,
+                continue_final: bool = False) -> list[int]:
+    """Prompt ids of OpenAI-style chat messages (role, content, tool_calls, tool_call_id) and tools, through the
+    model's chat template: what every chat dialect's endpoint translates its messages into. `continue_final`: the
+    last message is an assistant reply to continue."""
+    inputs.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+    messages, template_tools = render_messages(messages, tools, choice, inputs.tokenizer)
+    return inputs.encode_chat(messages, tools=template_tools, continue_final=continue_final)
+
+
 class ChatEndpoint(Endpoint):
     param = "messages"
     response_cls, chunk_cls = ChatCompletionResponse, ChatCompletionChunk
@@ -436,9 +496,7 @@ class ChatEndpoint(Endpoint):
                                      b.tool_choice.model_dump())
         messages = [m.model_dump(exclude_none=True, include={"role", "name", "tool_calls", "tool_call_id"})
                     | {"content": m.text()} for m in b.messages]
-        inputs.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        messages, template_tools = render_messages(messages, tools, choice, inputs.tokenizer)
-        ids = inputs.encode_chat(messages, tools=template_tools)
+        ids = chat_prompt(inputs, messages, tools, choice)
         spec = tool_grammar(tools, choice, b.parallel_tool_calls) or structured_spec(b)
         lp = (b.top_logprobs or 0) if b.logprobs else None
         room = inputs.max_model_len - len(ids)  # unasked, a cap stops at the context's end

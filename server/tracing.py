@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -34,7 +35,7 @@ REQUEST_KEY = "pagedserve.request"  # scope["state"][REQUEST_KEY]: the request's
 MAX_ID_CHARS = 128
 _SAFE_ID = re.compile(rb"[A-Za-z0-9._:-]{1,%d}" % MAX_ID_CHARS)
 # the routes that generate, with their GenAI operation names: each logs a line when it ends, and has a span
-GENERATION = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+GENERATION = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion", "/v1/messages": "chat"}
 TRACE_HEADERS = (b"traceparent", b"tracestate")  # W3C trace context: the caller's trace, if any
 
 
@@ -115,14 +116,16 @@ class RequestIds:
     """The outermost layer (outside the API key and body guards, so their refusals carry the id too): names each
     HTTP request, echoes the name in every response's header, and for the generation routes logs a line when the
     response has been sent (a stream's last event included) and, with `tracing`, ends its span. `echo`: False where
-    a proxy in front echoes the id already (Ray Serve's, which also makes one when none came)."""
+    a proxy in front echoes the id already (Ray Serve's, which also makes one when none came). `on_end`: told of
+    every HTTP request once its answer has gone (the per-route request counter)."""
 
     def __init__(self, app: ASGIApp, model: str | None = None, tracing: Tracing | None = None,
-                 echo: bool = True) -> None:
+                 echo: bool = True, on_end: Callable[[RequestRecord], None] | None = None) -> None:
         self.app = app
         self.model = model
         self.tracing = tracing
         self.echo = echo
+        self.on_end = on_end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -158,6 +161,8 @@ class RequestIds:
             record.status = record.status or 500  # Starlette's outer error layer answers it
             raise
         finally:
+            if self.on_end is not None:
+                self.on_end(record)
             if operation is not None:
                 end_ns = time.time_ns()
                 logger.info("%s", record.log_line(end_ns))

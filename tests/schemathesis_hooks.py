@@ -71,7 +71,11 @@ def map_case(context, case):
     """A named tool_choice names one of the request's tools (which the document requires)."""
     body = case.body
     if _positive(case) and isinstance(body.get("tool_choice"), dict) and body.get("tools"):
-        body["tool_choice"]["function"]["name"] = body["tools"][0]["function"]["name"]
+        if "/v1/messages" in case.operation.path:  # Anthropic's shape: {"type": "tool", "name": ...}
+            if body["tool_choice"].get("type") == "tool":
+                body["tool_choice"]["name"] = body["tools"][0]["name"]
+        else:
+            body["tool_choice"]["function"]["name"] = body["tools"][0]["function"]["name"]
     return case
 
 
@@ -97,6 +101,8 @@ def _beyond_the_schema(path: str, body: dict, base_url: str) -> str | None:
     from pagedserve.server.structured import structured_spec
     from pagedserve.server.tools import render_messages, resolve_tool_choice, tool_grammar
 
+    if "/v1/messages" in path:
+        return _beyond_the_messages_schema(path, body, base_url)
     chat = path.endswith("/chat/completions")
     try:
         request = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
@@ -129,6 +135,31 @@ def _beyond_the_schema(path: str, body: dict, base_url: str) -> str | None:
         return "context"
     if len(prompts) * request.n > waiting:
         return "sequences"
+    return None
+
+
+def _beyond_the_messages_schema(path: str, body: dict, base_url: str) -> str | None:
+    """As `_beyond_the_schema`, for Anthropic's Messages routes (server/anthropic.py's checks, as its build reaches
+    them): tool parameters that must compile when a tool must be called, a prompt that must fit the context."""
+    from pagedserve.server.anthropic import prompt_ids
+    from pagedserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+    from pagedserve.server.tools import tool_grammar
+
+    messages = path.endswith("/v1/messages")
+    try:
+        request = (MessagesRequest if messages else CountTokensRequest).model_validate(body)
+    except ValueError:
+        return None
+    inputs = _server(base_url)
+    try:
+        ids, tools, choice, parallel = prompt_ids(inputs, request)
+        spec = tool_grammar(tools, choice, parallel) if messages else None
+        if spec is not None:
+            inputs.structured.compile(spec)
+    except InvalidRequestError as e:
+        return "context" if e.code == "context_length_exceeded" else f"{e.param}: {e.message[:60]}"
+    if messages and len(ids) + request.max_tokens > inputs.max_model_len:
+        return "context"
     return None
 
 

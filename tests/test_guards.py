@@ -138,3 +138,16 @@ def test_reads_without_a_body_pass_straight_through():
         status, _, _ = run(BodyLimit(app, max_bytes=1, timeout_s=5), http(method=method), chunks(b"too long"))
         assert status == 200
     assert app.bodies == [b"too long"] * 3  # the guard did not read (or cap) them
+
+
+def test_anthropics_x_api_key_passes_and_the_messages_routes_refuse_in_anthropics_shape():
+    app = App()
+    guard = ApiKeyAuth(app, ("sk-a", "sk-b"))
+    scope = {**http("/v1/messages"), "headers": [(b"x-api-key", b"sk-b"), (b"anthropic-version", b"2023-06-01")]}
+    status, _, _ = run(guard, scope, BODY)
+    assert status == 200 and app.calls[-1]["state"][TENANT_KEY] == key_id("sk-b")
+    for headers in ([(b"x-api-key", b"sk-c")], []):
+        status, _, body = run(guard, {**http("/v1/messages"), "headers": headers}, BODY)
+        assert status == 401 and body["type"] == "error" and body["error"]["type"] == "authentication_error"
+    status, _, body = run(BodyLimit(app, max_bytes=1, timeout_s=5), http("/v1/messages/count_tokens"), BODY)
+    assert status == 413 and body["error"]["type"] == "request_too_large"

@@ -136,6 +136,55 @@ def test_the_document_states_what_the_server_enforces(fuzz_server, document, wha
     _wait_idle(state)
 
 
+MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"
+TOOL_A = {"name": "f", "input_schema": {"type": "object"}}
+# Anthropic's Messages routes: (what, route, body, allowed), as RULES
+MESSAGES_RULES = [
+    ("max_tokens missing", MESSAGES, {"max_tokens": None}, False),
+    ("max_tokens over --max-output-tokens", MESSAGES, {"max_tokens": CAP + 1}, False),
+    ("temperature 1 (Anthropic's top)", MESSAGES, {"temperature": 1.0}, True),
+    ("temperature over 1", MESSAGES, {"temperature": 1.5}, False),
+    ("top_k", MESSAGES, {"top_k": 5, "top_p": 0.9}, True),
+    ("five stop sequences", MESSAGES, {"stop_sequences": list("abcde")}, False),
+    ("an empty stop sequence", MESSAGES, {"stop_sequences": [""]}, False),
+    ("system blocks", MESSAGES, {"system": [{"type": "text", "text": "Be brief."}]}, True),
+    ("an image block", MESSAGES, {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     False),
+    ("a system role in messages", MESSAGES, {"messages": [{"role": "system", "content": "hi"}]}, False),
+    ("tool_choice any without tools", MESSAGES, {"tool_choice": {"type": "any"}}, False),
+    ("tool_choice auto without tools", MESSAGES, {"tool_choice": {"type": "auto"}}, True),
+    ("tool_choice tool", MESSAGES, {"tools": [TOOL_A], "tool_choice": {"type": "tool", "name": "f"}}, True),
+    ("a tool without input_schema", MESSAGES, {"tools": [{"name": "f"}]}, False),
+    ("a tool name with a space", MESSAGES, {"tools": [{"name": "a b", "input_schema": {}}]}, False),
+    ("a tool_use / tool_result turn", MESSAGES, {"messages": [
+        MSG[0], {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}],
+        "tools": [TOOL_A]}, True),
+    ("metadata and unknown fields (cache_control, thinking)", MESSAGES,
+     {"metadata": {"user_id": "u"}, "thinking": {"type": "disabled"}, "cache_control": {"type": "ephemeral"}}, True),
+    ("stream as 1", MESSAGES, {"stream": 1}, False),
+    ("count_tokens without max_tokens", COUNT_TOKENS, {}, True),
+    ("count_tokens with no messages", COUNT_TOKENS, {"messages": []}, False),
+    ("count_tokens, tool_choice tool without tools", COUNT_TOKENS, {"tool_choice": {"type": "tool", "name": "f"}},
+     False),
+]
+
+
+@pytest.mark.parametrize("what,route,body,allowed", MESSAGES_RULES, ids=[r[0] for r in MESSAGES_RULES])
+def test_the_document_states_what_the_messages_routes_enforce(fuzz_server, document, what, route, body, allowed):
+    base, state = fuzz_server
+    model = "MessagesRequest" if route == MESSAGES else "CountTokensRequest"
+    full = {k: v for k, v in ({"messages": MSG, "max_tokens": 2} | body).items() if v is not None}
+    if route == COUNT_TOKENS:
+        full.pop("max_tokens")
+    assert _schema_allows(document, model, full) == allowed
+    r = httpx.post(base + route, content=json.dumps(full), headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == (200 if allowed else 400), r.text
+    if not allowed:
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    _wait_idle(state)
+
+
 @pytest.mark.parametrize("name,status", [(MODEL, 200), (None, 200), ("gpt-4o", 404)])
 def test_the_document_names_the_served_model(fuzz_server, document, name, status):
     """Only the served model's name (or none) is schema-valid, so a fuzzer's positive cases are never a 404."""
@@ -185,33 +234,52 @@ def test_schemathesis_finds_nothing(fuzz_server, tmp_path):
     tests/schemathesis_hooks.py keeps positive cases off the rules no JSON schema can state; it may drop only a
     few of them. FUZZ_EXAMPLES searches harder by hand."""
     base, state = fuzz_server
+    seen = _fuzz(base, tmp_path, seed=49)
+    for route in (CHAT, COMPLETIONS, MESSAGES, COUNT_TOKENS):
+        assert 200 in seen[(f"POST {route}", "positive")] and seen[(f"POST {route}", "negative")] >= {400}
+    _wait_idle(state, timeout=120)
+
+
+@pytest.mark.slow  # load, flood or fuzz: the heavy tier
+def test_schemathesis_finds_nothing_on_the_messages_routes(fuzz_server, tmp_path):
+    """As above, for Anthropic's Messages routes alone: no 5xx, every status documented, every schema-valid body
+    served, every invalid one a 400 in Anthropic's shape."""
+    base, state = fuzz_server
+    seen = _fuzz(base, tmp_path, seed=52, path_regex="^/v1/messages")
+    for route in (MESSAGES, COUNT_TOKENS):
+        assert 200 in seen[(f"POST {route}", "positive")] and seen[(f"POST {route}", "negative")] >= {400}
+    assert not any(code >= 500 for codes in seen.values() for code in codes), seen
+    _wait_idle(state, timeout=120)
+
+
+def _fuzz(base: str, tmp_path, seed: int, path_regex: str | None = None) -> dict:
+    """schemathesis's CLI with every check (over the operations whose path matches `path_regex`, else all), bounded
+    in examples and time; what it dropped is checked. Returns (operation, generation mode) -> status codes seen."""
     stats = tmp_path / "stats.json"
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks", "PAGEDSERVE_FUZZ_STATS": str(stats),
            "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{base}/openapi.json", "--checks", "all",
+           *(["--include-path-regex", path_regex] if path_regex else []),
            "--max-examples", os.environ.get("FUZZ_EXAMPLES", "40"), "--max-time", "240", "--request-timeout", "120",
            # `--checks all` times every response against 10 s by default: a loaded machine's n=8 x 9-prompt case
            # takes longer. Tests assert no wall time: a response within the request timeout passes.
            "--max-response-time", "120",
-           "--workers", "1", "--seed", "49", "--continue-on-failure", "--no-color", "--report", "ndjson",
+           "--workers", "1", "--seed", str(seed), "--continue-on-failure", "--no-color", "--report", "ndjson",
            "--report-dir", str(tmp_path), "--generation-database", "none"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)  # its caches too
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert "No issues found" in run.stdout
-    seen = {}  # (operation, positive?) -> status codes
+    seen: dict = {}
     for line in next(tmp_path.glob("*.ndjson")).read_text().splitlines():
         recorder = json.loads(line).get("ScenarioFinished", {}).get("recorder") or {}
         for case_id, case in recorder.get("cases", {}).items():
             response = (recorder.get("interactions", {}).get(case_id) or {}).get("response")
             meta = case["value"].get("meta") or {}
             if response is not None and meta:
-                key = (recorder["label"], meta["generation"]["mode"])
-                seen.setdefault(key, set()).add(response["status_code"])
-    for route in (CHAT, COMPLETIONS):
-        assert 200 in seen[(f"POST {route}", "positive")] and seen[(f"POST {route}", "negative")] >= {400}
+                seen.setdefault((recorder["label"], meta["generation"]["mode"]), set()).add(response["status_code"])
     dropped = json.loads(stats.read_text())
     assert sum(v for k, v in dropped.items() if k != "cases") <= dropped["cases"] // 5, dropped
-    _wait_idle(state, timeout=120)
+    return seen
 
 
 def test_the_document_and_docs_work_offline(fuzz_server, document):

@@ -29,7 +29,7 @@ def test_stop_string_across_chunks_is_never_sent():
     for delta in ["Hello S", "TO", "P and more"]:
         m.feed(delta)
         sent.append(m.take(final=False))
-    assert m.stopped and "".join(sent) == "Hello "
+    assert m.stopped and "".join(sent) == "Hello " and m.matched == "STOP"
     assert m.take(final=True) == ""
 
 
@@ -47,7 +47,10 @@ def test_partial_stop_prefix_is_released_when_it_does_not_complete():
 def test_earliest_stop_wins():
     m = StopStringMatcher(["world", "lo w"])
     m.feed("hello world")
-    assert m.stopped and m.take(final=True) == "hel"
+    assert m.stopped and m.take(final=True) == "hel" and m.matched == "lo w"  # what Messages' stop_sequence says
+    unstopped = StopStringMatcher(["STOP"])
+    unstopped.feed("no stop")
+    assert not unstopped.stopped and unstopped.matched is None
 
 
 def _req(**kw):
