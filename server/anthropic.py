@@ -150,8 +150,9 @@ class MessagesEndpoint(Endpoint):
         return ap.MessagesResponse(id=self.id, content=content, model=self.model_name, stop_reason=reason,
                                    stop_sequence=sequence, usage=self.usage(built, o))
 
-    def choice(self, built: Built, i: int, o: Collected):
-        raise NotImplementedError  # one reply, no choices: see `response`
+    def choice(self, built: Built, i: int, o: Collected) -> ap.MessagesResponse:
+        # Messages has no choices: a request's one output is the whole message
+        return self.response(built, [o])
 
     def response(self, built: Built, outs: list[Collected]) -> ap.MessagesResponse:
         """The reply as the stream would have built it: the same blocks, by the same code."""
